@@ -1,0 +1,1 @@
+"""Sluice's policy engine: pure functions over plain data (no I/O)."""

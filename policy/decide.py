@@ -1,0 +1,179 @@
+"""Decisions as pure functions over plain data: no sockets, no DNS, no files.
+
+A request is decided in two steps because DNS sits between them:
+
+    check_request(rules, Destination)  -> Decision (final, or needs_dns)
+    check_answers(rules, pending, addresses) -> Decision (final)
+
+The edges (the mitmproxy addon, `sluice policy explain`) do the lookup in
+between with whatever resolver they have.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from policy.hosts import Host, HostError, IPHost, NameHost, internal_name, parse_host
+from policy.matchers import Rule
+from policy.model import Rules
+from policy.ranges import classify
+from policy.reasons import Reason, Refusal
+
+ALLOWED_SCHEMES = frozenset({"http", "https"})
+
+
+@dataclass(frozen=True, slots=True)
+class Destination:
+    """What the proxy knows of a request before any lookup."""
+
+    host: str  # as the client wrote it: never trusted
+    port: int
+    scheme: str | None = None  # None where unknown (SOCKS5 or transparent TCP)
+    method: str | None = None  # None for a raw tunnel
+    has_credentials: bool = False  # user:pass@ in the URL
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    allowed: bool
+    host: Host | None = None
+    refusal: Refusal | None = None  # set when refused
+    would_refuse: Refusal | None = None  # report mode: what enforce would have refused
+    address: str | None = None  # the one address to connect to
+    addresses: tuple[str, ...] = ()  # every address the name resolved to
+    rule: Rule | None = None  # the rule that let it through, if one did
+    needs_dns: bool = False
+    port: int = 0
+
+    @property
+    def reason(self) -> Reason | None:
+        r = self.refusal or self.would_refuse
+        return r.reason if r else None
+
+
+def _refuse(reason: Reason, detail: str, host: Host | None = None, rule: Rule | None = None, **kw) -> Decision:
+    return Decision(False, host, Refusal(reason, detail, rule.origin if rule else None), **kw)
+
+
+def check_request(rules: Rules, dest: Destination) -> Decision:
+    """Everything decidable before DNS. Returns a final Decision, or one with
+    needs_dns=True for a name that must be resolved and passed to check_answers."""
+    if dest.scheme is not None and dest.scheme.lower() not in ALLOWED_SCHEMES:
+        return _refuse(Reason.SCHEME_NOT_ALLOWED, f"the scheme {dest.scheme!r} is not allowed; only http and https are")
+    if dest.has_credentials:
+        return _refuse(Reason.URL_CREDENTIALS, "URLs with user:password@ credentials are not allowed; send credentials in headers instead")
+    try:
+        host = parse_host(dest.host)
+    except HostError as e:
+        return _refuse(Reason.MALFORMED_HOST, f"{e}")
+    if not (0 < dest.port < 65536):
+        return _refuse(Reason.PORT_NOT_ALLOWED, f"port {dest.port} is not a valid port", host)
+    if dest.port not in rules.ports and not _private_port_exists(rules, dest.port):
+        return _refuse(Reason.PORT_NOT_ALLOWED, f"port {dest.port} is not allowed (allowed ports: {_ports(rules)})", host)
+
+    soft: Refusal | None = None  # a host/method refusal, which report mode lets through
+    if dest.method is not None and dest.method.upper() not in rules.methods:
+        soft = Refusal(Reason.METHOD_NOT_ALLOWED, f"the method {dest.method} is not allowed (allowed: {', '.join(sorted(rules.methods))})")
+
+    allow_rule: Rule | None = None
+    if isinstance(host, NameHost):
+        why = internal_name(host.name)
+        explicitly_allowed = rules.allow is not None and rules.allow.exact.get(host.name)
+        if why and not explicitly_allowed:
+            return _refuse(Reason.INTERNAL_HOSTNAME, f"{host.name} is {why}", host)
+    deny_rule = rules.deny.match_host(host)
+    if deny_rule:
+        soft = soft or Refusal(Reason.HOST_DENIED, f"{host} is denied by the rule {deny_rule.text!r}", deny_rule.origin)
+    elif rules.allow is not None:
+        allow_rule = rules.allow.match_host(host)
+        if not allow_rule and not (isinstance(host, NameHost) and rules.allow.addresses):
+            soft = soft or Refusal(Reason.HOST_NOT_ALLOWED, f"{host} is not on this policy's allow list")
+
+    if isinstance(host, IPHost):
+        return _check_addresses(rules, host, dest.port, (host.address,), soft, allow_rule, literal=True)
+    if soft is not None and rules.action != "report":
+        return Decision(False, host, soft, port=dest.port)  # no lookup needed to refuse
+    return Decision(True, host, None, soft, rule=allow_rule, needs_dns=True, port=dest.port)
+
+
+def check_answers(
+    rules: Rules, pending: Decision, addresses: tuple[str, ...] | list[str], cnames: tuple[str, ...] | list[str] = ()
+) -> Decision:
+    """Finish a needs_dns decision with every address the name resolved to
+    (all A and AAAA answers, after CNAMEs) and the names the CNAME chain passed
+    through. One non-public answer, or one internal name in the chain, refuses."""
+    assert pending.needs_dns and isinstance(pending.host, NameHost)
+    for alias in cnames:
+        why = internal_name(alias)
+        if why:
+            return _refuse(Reason.DNS_ANSWER_NOT_PUBLIC, f"{pending.host} is an alias (CNAME) of {alias}, which is {why}",
+                           pending.host, port=pending.port)
+    if not addresses:
+        return _refuse(Reason.DNS_FAILED, f"{pending.host} has no address records", pending.host, port=pending.port)
+    soft = pending.would_refuse
+    allow_rule = pending.rule
+    if rules.allow is not None and allow_rule is None and soft is None:
+        # A name not on the allow list by name may still be allowed by address
+        # when the allow list holds CIDRs: every answer must be inside them.
+        matched = [rules.allow.match_ip(a) for a in addresses]
+        if all(matched):
+            allow_rule = matched[0]
+        else:
+            soft = Refusal(Reason.HOST_NOT_ALLOWED, f"{pending.host} is not on this policy's allow list")
+    return _check_addresses(rules, pending.host, pending.port, tuple(addresses), soft, allow_rule, literal=False)
+
+
+def _check_addresses(
+    rules: Rules, host: Host, port: int, addresses: tuple[str, ...],
+    soft: Refusal | None, allow_rule: Rule | None, *, literal: bool,
+) -> Decision:
+    reason = Reason.ADDRESS_NOT_PUBLIC if literal else Reason.DNS_ANSWER_NOT_PUBLIC
+    rule = allow_rule
+    for address in addresses:
+        opened = rules.private_networks.match_address(address, port)
+        non_public = classify(address)
+        if non_public is not None and opened is None:
+            what = address if literal else f"{host} resolves to {address}, which"
+            return _refuse(reason, f"{what} is {non_public.name} ({non_public.cidr}); only public internet addresses are reachable",
+                           host, addresses=addresses, port=port)
+        if opened is not None:
+            rule = rule or opened
+        elif port not in rules.ports:
+            return _refuse(Reason.PORT_NOT_ALLOWED, f"port {port} is not allowed (allowed ports: {_ports(rules)})",
+                           host, addresses=addresses, port=port)
+        deny_rule = rules.deny.match_ip(address) if not literal else None
+        if deny_rule and soft is None:
+            soft = Refusal(Reason.HOST_DENIED, f"{host} resolves to {address}, which is denied by the rule {deny_rule.text!r}", deny_rule.origin)
+    if soft is not None and rules.action != "report":
+        return Decision(False, host, soft, None, addresses=addresses, port=port)
+    return Decision(True, host, None, soft, address=_pick(addresses), addresses=addresses, rule=rule, port=port)
+
+
+def _pick(addresses: tuple[str, ...]) -> str:
+    # Deterministic, so every request to a name maps to one upstream address
+    # and mitmproxy can reuse the connection. IPv4 first, as most stacks do.
+    for a in addresses:
+        if ":" not in a:
+            return a
+    return addresses[0]
+
+
+def _private_port_exists(rules: Rules, port: int) -> bool:
+    return any(e.port == port for e in rules.private_networks.entries)
+
+
+def _ports(rules: Rules) -> str:
+    return ", ".join(str(p) for p in sorted(rules.ports))
+
+
+def check_address(rules: Rules, address: str, port: int) -> Refusal | None:
+    """The address-level rules alone (public-only, private_networks, ports) for
+    an address about to be dialled whose host rules were already applied."""
+    try:
+        host = parse_host(address)
+    except HostError as e:
+        return Refusal(Reason.MALFORMED_HOST, str(e))
+    if not isinstance(host, IPHost):
+        return Refusal(Reason.MALFORMED_HOST, f"{address} is not an IP address")
+    decision = _check_addresses(rules, host, port, (host.address,), None, None, literal=True)
+    return decision.refusal

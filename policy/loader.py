@@ -1,0 +1,547 @@
+"""YAML text -> Policy, validated like a compiler validates code.
+
+Every problem is collected (not just the first) and reported as
+`FILE:LINE:COL: message`. Loading is safe (SafeLoader: no arbitrary tags) and
+bounded (file size, node count after alias expansion), so an alias bomb or a
+huge file is refused rather than expanded. Pure: `load_policy_text` takes text;
+only `load_policy_file` touches the file system (and `password_file` entries).
+"""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+import re
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any, Callable
+
+import yaml
+
+from policy.matchers import AddressSet, HostMatcher, PatternError, parse_host_pattern
+from policy.model import (
+    STANDARD_METHODS,
+    ClientProfile,
+    DnsSettings,
+    Limits,
+    Policy,
+    Rules,
+)
+
+MAX_POLICY_BYTES = 4 * 1024 * 1024
+MAX_NODES = 500_000  # after alias expansion
+
+
+@dataclass(frozen=True, slots=True)
+class Problem:
+    file: str
+    line: int
+    col: int
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.file}:{self.line}:{self.col}: {self.message}"
+
+
+class PolicyInvalid(Exception):
+    def __init__(self, problems: list[Problem]) -> None:
+        self.problems = problems
+        super().__init__("\n".join(str(p) for p in problems))
+
+
+# Keys a profile may override, and the top level may set.
+RULE_KEYS = ("action", "allow", "deny", "ports", "methods", "private_networks", "limits", "intercept", "strip_request_headers")
+TOP_KEYS = ("version",) + RULE_KEYS + ("dns", "clients", "require_client")
+PROFILE_KEYS = ("name", "users", "sources") + RULE_KEYS
+DNS_KEYS = tuple(f.name for f in fields(DnsSettings))
+LIMIT_KEYS = tuple(f.name for f in fields(Limits))
+USER_KEYS = ("password_hash", "password_file")
+SIZE_LIMITS = {"max_response_bytes", "max_request_bytes", "tunnel_max_bytes"}
+OPTIONAL_LIMITS = {"tunnel_max_bytes", "tunnel_max_seconds"}
+
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h)?\s*$")
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(B|KB|KiB|MB|MiB|GB|GiB|TB|TiB)?\s*$", re.I)
+_SIZE_UNITS = {"b": 1, "kb": 10**3, "kib": 2**10, "mb": 10**6, "mib": 2**20, "gb": 10**9, "gib": 2**30, "tb": 10**12, "tib": 2**40}
+_DURATION_UNITS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, None: 1}
+_METHOD = re.compile(r"^[A-Z][A-Z-]{0,31}$")
+_HEADER = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")
+
+
+def parse_duration(value: object) -> float:
+    if isinstance(value, bool):
+        raise ValueError("expected a duration like '20s', '500ms' or '2m'")
+    if isinstance(value, (int, float)):
+        seconds = float(value)
+    else:
+        m = _DURATION.match(str(value))
+        if not m:
+            raise ValueError(f"{value!r} is not a duration (write e.g. '20s', '500ms', '2m')")
+        seconds = float(m.group(1)) * _DURATION_UNITS[m.group(2)]
+    if seconds <= 0:
+        raise ValueError("a duration must be greater than zero")
+    return seconds
+
+
+def parse_size(value: object) -> int:
+    if isinstance(value, bool):
+        raise ValueError("expected a size like '10MiB' or '512KiB'")
+    if isinstance(value, int):
+        size = value
+    else:
+        m = _SIZE.match(str(value))
+        if not m:
+            raise ValueError(f"{value!r} is not a size (write e.g. '10MiB', '512KiB', '2GB')")
+        size = int(float(m.group(1)) * _SIZE_UNITS[(m.group(2) or "b").lower()])
+    if size <= 0:
+        raise ValueError("a size must be greater than zero")
+    return size
+
+
+def hash_password(password: str, *, iterations: int = 200_000, salt: bytes | None = None) -> str:
+    """The verifier format `password_hash` takes: pbkdf2_sha256$ITER$SALT$HASH (hex)."""
+    import os
+
+    salt = salt if salt is not None else os.urandom(16)
+    digest = hashlib.pbkdf2_hmac("sha256", password.encode(), salt, iterations)
+    return f"pbkdf2_sha256${iterations}${salt.hex()}${digest.hex()}"
+
+
+def _check_verifier(text: str) -> str | None:
+    """None if `text` is a well-formed verifier, else what is wrong."""
+    if text.startswith("sha256:"):
+        return None if re.fullmatch(r"[0-9a-f]{64}", text[7:]) else "sha256: must be followed by 64 lowercase hex digits"
+    parts = text.split("$")
+    if len(parts) == 4 and parts[0] == "pbkdf2_sha256" and parts[1].isdigit() and int(parts[1]) >= 10_000:
+        try:
+            bytes.fromhex(parts[2]), bytes.fromhex(parts[3])
+            return None
+        except ValueError:
+            pass
+    return "expected 'pbkdf2_sha256$ITERATIONS$SALT$HASH' (from `sluice policy hash-password`) or 'sha256:<hex>'"
+
+
+class _Reader:
+    """Walks the composed YAML node tree, collecting problems with positions."""
+
+    def __init__(self, file: str, read_secret: Callable[[str], str] | None) -> None:
+        self.file = file
+        self.problems: list[Problem] = []
+        self.read_secret = read_secret
+        self._constructor = yaml.SafeLoader("")
+
+    def problem(self, node: yaml.Node | None, message: str) -> None:
+        line, col = (node.start_mark.line + 1, node.start_mark.column + 1) if node is not None else (1, 1)
+        self.problems.append(Problem(self.file, line, col, message))
+
+    def origin(self, node: yaml.Node) -> str:
+        return f"{self.file}:{node.start_mark.line + 1}"
+
+    def scalar(self, node: yaml.Node) -> Any:
+        if not isinstance(node, yaml.ScalarNode):
+            return _NOT_SCALAR
+        return self._constructor.construct_object(node, deep=True)
+
+    def mapping(self, node: yaml.Node, allowed: tuple[str, ...], what: str) -> dict[str, tuple[yaml.Node, yaml.Node]]:
+        if not isinstance(node, yaml.MappingNode):
+            self.problem(node, f"{what} must be a mapping of keys to values")
+            return {}
+        out: dict[str, tuple[yaml.Node, yaml.Node]] = {}
+        for key_node, value_node in node.value:
+            key = self.scalar(key_node)
+            if not isinstance(key, str):
+                self.problem(key_node, f"keys in {what} must be strings")
+                continue
+            if key in out:
+                self.problem(key_node, f"{key!r} appears twice in {what} (first at line {out[key][0].start_mark.line + 1})")
+                continue
+            if key not in allowed:
+                hint = difflib.get_close_matches(key, allowed, n=1)
+                suggestion = f"; did you mean {hint[0]!r}?" if hint else f"; known keys: {', '.join(allowed)}"
+                self.problem(key_node, f"unknown key {key!r} in {what}{suggestion}")
+                continue
+            out[key] = (key_node, value_node)
+        return out
+
+    def sequence(self, node: yaml.Node, what: str) -> list[yaml.Node]:
+        if isinstance(node, yaml.ScalarNode) and node.tag == "tag:yaml.org,2002:null":
+            return []
+        if not isinstance(node, yaml.SequenceNode):
+            self.problem(node, f"{what} must be a list")
+            return []
+        return list(node.value)
+
+    # ---- typed values -------------------------------------------------
+
+    def patterns(self, node: yaml.Node, what: str) -> HostMatcher:
+        entries: list[tuple[str, str]] = []
+        seen: dict[tuple[str, str], int] = {}
+        for item in self.sequence(node, what):
+            text = self.scalar(item)
+            try:
+                key = parse_host_pattern(text if text is not _NOT_SCALAR else None)
+            except PatternError as e:
+                self.problem(item, f"in {what}: {e}")
+                continue
+            if key in seen:
+                self.problem(item, f"in {what}: {text!r} is listed twice (first at line {seen[key]})")
+                continue
+            seen[key] = item.start_mark.line + 1
+            entries.append((text, self.origin(item)))
+        try:
+            return HostMatcher.build(entries)
+        except PatternError as e:  # already reported above; defensive
+            self.problem(node, str(e))
+            return HostMatcher()
+
+    def ports(self, node: yaml.Node) -> frozenset[int] | None:
+        out = set()
+        items = self.sequence(node, "ports")
+        for item in items:
+            value = self.scalar(item)
+            if isinstance(value, bool) or not isinstance(value, int) or not 0 < value < 65536:
+                self.problem(item, f"ports: {value!r} is not a port number (1-65535)")
+            else:
+                out.add(value)
+        if not items and isinstance(node, yaml.SequenceNode):
+            self.problem(node, "ports is empty: nothing could be reached; list at least one port")
+        return frozenset(out)
+
+    def methods(self, node: yaml.Node) -> frozenset[str]:
+        out = set()
+        for item in self.sequence(node, "methods"):
+            value = self.scalar(item)
+            if not isinstance(value, str) or not _METHOD.match(value.upper()):
+                self.problem(item, f"methods: {value!r} is not an HTTP method")
+                continue
+            if value.upper() not in STANDARD_METHODS:
+                hint = difflib.get_close_matches(value.upper(), sorted(STANDARD_METHODS), n=1)
+                self.problem(item, f"methods: {value!r} is not a standard HTTP method" + (f"; did you mean {hint[0]!r}?" if hint else ""))
+                continue
+            out.add(value.upper())
+        return frozenset(out)
+
+    def private_networks(self, node: yaml.Node) -> AddressSet:
+        entries = []
+        for item in self.sequence(node, "private_networks"):
+            value = self.scalar(item)
+            if not isinstance(value, str):
+                self.problem(item, f"private_networks: {value!r} must be a CIDR string such as '10.0.0.5/32' or '10.0.0.5/32:8080'")
+                continue
+            cidr, port = _split_cidr_port(value)
+            try:
+                if port is not None and not (port.isdigit() and 0 < int(port) < 65536):
+                    raise PatternError(f"{value!r} has an invalid port {port!r}")
+                entries.append(AddressSet.entry(cidr, int(port) if port else None, self.origin(item), value))
+            except PatternError as e:
+                self.problem(item, f"private_networks: {e}")
+        return AddressSet(tuple(entries))
+
+    def headers(self, node: yaml.Node) -> frozenset[str]:
+        out = set()
+        for item in self.sequence(node, "strip_request_headers"):
+            value = self.scalar(item)
+            if not isinstance(value, str) or not _HEADER.match(value):
+                self.problem(item, f"strip_request_headers: {value!r} is not a header name")
+            else:
+                out.add(value.lower())
+        return frozenset(out)
+
+    def limits(self, node: yaml.Node, base: Limits) -> Limits:
+        changes: dict[str, Any] = {}
+        for key, (key_node, value_node) in self.mapping(node, LIMIT_KEYS, "limits").items():
+            value = self.scalar(value_node)
+            if value is None and key in OPTIONAL_LIMITS:
+                changes[key] = None
+                continue
+            try:
+                changes[key] = parse_size(value) if key in SIZE_LIMITS else parse_duration(value)
+            except ValueError as e:
+                self.problem(value_node, f"limits.{key}: {e}")
+        return replace(base, **changes)
+
+    def dns(self, node: yaml.Node) -> DnsSettings:
+        changes: dict[str, Any] = {}
+        for key, (key_node, value_node) in self.mapping(node, DNS_KEYS, "dns").items():
+            if key == "nameservers":
+                servers = []
+                for item in self.sequence(value_node, "dns.nameservers"):
+                    text = self.scalar(item)
+                    try:
+                        servers.append(_nameserver(text))
+                    except ValueError as e:
+                        self.problem(item, f"dns.nameservers: {e}")
+                changes[key] = tuple(servers)
+            else:
+                try:
+                    changes[key] = parse_duration(self.scalar(value_node))
+                except ValueError as e:
+                    self.problem(value_node, f"dns.{key}: {e}")
+        settings = replace(DnsSettings(), **changes)
+        if settings.min_ttl > settings.max_ttl:
+            self.problem(node, "dns.min_ttl is greater than dns.max_ttl")
+        return settings
+
+    def rules(self, keys: dict[str, tuple[yaml.Node, yaml.Node]], base: Rules) -> Rules:
+        changes: dict[str, Any] = {}
+        for key, (key_node, value_node) in keys.items():
+            if key == "action":
+                value = self.scalar(value_node)
+                if value not in ("enforce", "report"):
+                    self.problem(value_node, f"action must be 'enforce' or 'report', not {value!r}")
+                else:
+                    changes[key] = value
+            elif key in ("allow", "deny", "intercept"):
+                changes[key] = self.patterns(value_node, key)
+            elif key == "ports":
+                changes[key] = self.ports(value_node)
+            elif key == "methods":
+                changes[key] = self.methods(value_node)
+            elif key == "private_networks":
+                changes[key] = self.private_networks(value_node)
+            elif key == "limits":
+                changes[key] = self.limits(value_node, base.limits)
+            elif key == "strip_request_headers":
+                changes[key] = self.headers(value_node)
+        rules = replace(base, **changes)
+        self._shadowed(rules, keys)
+        return rules
+
+    def _shadowed(self, rules: Rules, keys: dict[str, tuple[yaml.Node, yaml.Node]]) -> None:
+        """An allow entry that a deny entry always overrides can never match."""
+        if rules.allow is None or not rules.deny or "allow" not in keys:
+            return
+        allow_node = keys["allow"][1]
+        for item in self.sequence(allow_node, "allow"):
+            text = self.scalar(item)
+            try:
+                kind, key = parse_host_pattern(text)
+            except PatternError:
+                continue
+            if kind in ("everything", "cidr"):
+                continue
+            probe = key if kind != "subdomains" else f"x.{key}"
+            deny = rules.deny.match_name(probe)
+            covers = deny and (kind == "exact" or _covers(rules.deny, kind, key))
+            if covers:
+                self.problem(item, f"allow entry {text!r} can never match: the deny rule {deny.text!r} ({deny.origin}) always wins")
+
+    def profiles(self, node: yaml.Node, top: Rules) -> tuple[ClientProfile, ...]:
+        out = []
+        names: dict[str, int] = {}
+        users_seen: dict[str, str] = {}
+        for item in self.sequence(node, "clients"):
+            keys = self.mapping(item, PROFILE_KEYS, "a client profile")
+            name = self.scalar(keys["name"][1]) if "name" in keys else None
+            if not isinstance(name, str) or not name:
+                self.problem(item, "every client profile needs a `name`")
+                continue
+            if name in names:
+                self.problem(keys["name"][1], f"client profile {name!r} is defined twice (first at line {names[name]})")
+                continue
+            names[name] = item.start_mark.line + 1
+            credentials = []
+            if "users" in keys:
+                for user, (user_node, spec_node) in self._users(keys["users"][1]).items():
+                    if user in users_seen:
+                        self.problem(user_node, f"user {user!r} is already in profile {users_seen[user]!r}")
+                        continue
+                    users_seen[user] = name
+                    verifier = self._verifier(user, spec_node)
+                    if verifier:
+                        credentials.append((user, verifier))
+            sources = self.private_networks(keys["sources"][1]) if "sources" in keys else AddressSet()
+            if "users" not in keys and "sources" not in keys:
+                self.problem(item, f"client profile {name!r} matches nobody: give it `users` or `sources`")
+            rule_keys = {k: v for k, v in keys.items() if k in RULE_KEYS}
+            out.append(ClientProfile(
+                name=name, rules=self.rules(rule_keys, top),
+                usernames=frozenset(u for u, _ in credentials), credentials=tuple(credentials),
+                sources=sources, origin=self.origin(item),
+            ))
+        return tuple(out)
+
+    def _users(self, node: yaml.Node) -> dict[str, tuple[yaml.Node, yaml.Node]]:
+        if not isinstance(node, yaml.MappingNode):
+            self.problem(node, "users must map each username to {password_hash: ...} or {password_file: ...}")
+            return {}
+        out = {}
+        for key_node, value_node in node.value:
+            user = self.scalar(key_node)
+            if not isinstance(user, str) or not user or ":" in user:
+                self.problem(key_node, f"{user!r} is not a valid username (no ':' allowed)")
+                continue
+            out[user] = (key_node, value_node)
+        return out
+
+    def _verifier(self, user: str, node: yaml.Node) -> str | None:
+        spec = self.mapping(node, USER_KEYS, f"user {user!r}")
+        if len(spec) != 1:
+            if isinstance(node, yaml.MappingNode):
+                self.problem(node, f"user {user!r} needs exactly one of password_hash or password_file (never a plain password)")
+            return None
+        key, (_, value_node) = next(iter(spec.items()))
+        value = self.scalar(value_node)
+        if not isinstance(value, str):
+            self.problem(value_node, f"{key} must be a string")
+            return None
+        if key == "password_hash":
+            wrong = _check_verifier(value)
+            if wrong:
+                self.problem(value_node, f"password_hash for {user!r}: {wrong}")
+                return None
+            return value
+        if self.read_secret is None:
+            return "file:" + value  # checked when loaded from a file
+        try:
+            secret = self.read_secret(value)
+        except OSError as e:
+            self.problem(value_node, f"password_file for {user!r}: cannot read {value!r} ({e.strerror or e})")
+            return None
+        if not secret:
+            self.problem(value_node, f"password_file for {user!r}: {value!r} is empty")
+            return None
+        return "sha256:" + hashlib.sha256(secret.encode()).hexdigest()
+
+
+_NOT_SCALAR = object()
+
+
+def _covers(deny: HostMatcher, kind: str, key: str) -> bool:
+    """Whether deny matches every name the allow pattern (kind, key) can match."""
+    if deny.everything:
+        return True
+    labels = key.split(".")
+    for i in range(len(labels)):
+        suffix = ".".join(labels[i:])
+        if suffix in deny.apex_and_subdomains:
+            return True
+        if i > 0 and suffix in deny.subdomains:
+            return True
+        if i == 0 and kind == "subdomains" and suffix in deny.subdomains:
+            return True
+    return False
+
+
+def _split_cidr_port(text: str) -> tuple[str, str | None]:
+    text = text.strip()
+    if text.startswith("["):  # [2001:db8::/64]:8080
+        inner, _, rest = text[1:].partition("]")
+        return inner, rest[1:] if rest.startswith(":") else (rest or None)
+    if text.count(":") == 1:  # IPv4 with a port
+        cidr, port = text.split(":")
+        return cidr, port
+    return text, None
+
+
+def _nameserver(text: object) -> tuple[str, int]:
+    import ipaddress
+
+    if not isinstance(text, str) or not text.strip():
+        raise ValueError(f"{text!r} is not a nameserver (write an IP, optionally with :port)")
+    text = text.strip()
+    host, port = text, 53
+    if text.startswith("["):
+        host, _, rest = text[1:].partition("]")
+        if rest:
+            if not rest.startswith(":") or not rest[1:].isdigit():
+                raise ValueError(f"{text!r} has a bad port")
+            port = int(rest[1:])
+    elif text.count(":") == 1:
+        host, p = text.split(":")
+        if not p.isdigit():
+            raise ValueError(f"{text!r} has a bad port")
+        port = int(p)
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        raise ValueError(f"{text!r}: a nameserver must be an IP address, not a name") from None
+    if not 0 < port < 65536:
+        raise ValueError(f"{text!r} has a bad port")
+    return host, port
+
+
+def _count_nodes(root: yaml.Node) -> int:
+    """Nodes as a constructor would expand them (aliases counted each time)."""
+    count = 0
+    stack = [root]
+    while stack:
+        node = stack.pop()
+        count += 1
+        if count > MAX_NODES:
+            return count
+        if isinstance(node, yaml.SequenceNode):
+            stack.extend(node.value)
+        elif isinstance(node, yaml.MappingNode):
+            for k, v in node.value:
+                stack.append(k)
+                stack.append(v)
+    return count
+
+
+def load_policy_text(text: str, file: str = "<policy>", read_secret: Callable[[str], str] | None = None) -> Policy:
+    """Parse and validate; raise PolicyInvalid with every problem found."""
+    reader = _Reader(file, read_secret)
+    if len(text.encode("utf-8", "surrogatepass")) > MAX_POLICY_BYTES:
+        raise PolicyInvalid([Problem(file, 1, 1, f"the policy is larger than {MAX_POLICY_BYTES // 2**20} MiB; refusing to parse it")])
+    try:
+        root = yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.MarkedYAMLError as e:
+        mark = e.problem_mark or e.context_mark
+        line, col = (mark.line + 1, mark.column + 1) if mark else (1, 1)
+        raise PolicyInvalid([Problem(file, line, col, f"YAML syntax: {e.problem or e.context}")]) from None
+    except yaml.YAMLError as e:
+        raise PolicyInvalid([Problem(file, 1, 1, f"YAML: {e}")]) from None
+    if root is None:
+        raise PolicyInvalid([Problem(file, 1, 1, "the policy is empty; it needs at least `version: 1`")])
+    if _count_nodes(root) > MAX_NODES:
+        raise PolicyInvalid([Problem(file, 1, 1, f"the policy expands to more than {MAX_NODES} YAML nodes (an alias bomb?); refusing it")])
+
+    keys = reader.mapping(root, TOP_KEYS, "the policy")
+    if "version" not in keys:
+        if isinstance(root, yaml.MappingNode):
+            reader.problem(root, "the policy needs `version: 1` at the top")
+    else:
+        version = reader.scalar(keys["version"][1])
+        if version != 1:
+            reader.problem(keys["version"][1], f"unsupported policy version {version!r}; this Sluice reads version 1")
+    rule_keys = {k: v for k, v in keys.items() if k in RULE_KEYS}
+    top = reader.rules(rule_keys, Rules())
+    dns = reader.dns(keys["dns"][1]) if "dns" in keys else DnsSettings()
+    clients = reader.profiles(keys["clients"][1], top) if "clients" in keys else ()
+    require_client = False
+    if "require_client" in keys:
+        value = reader.scalar(keys["require_client"][1])
+        if not isinstance(value, bool):
+            reader.problem(keys["require_client"][1], f"require_client must be true or false, not {value!r}")
+        else:
+            require_client = value
+            if value and not clients:
+                reader.problem(keys["require_client"][0], "require_client is true but no `clients` are defined: every client would be refused")
+    if reader.problems:
+        raise PolicyInvalid(sorted(reader.problems, key=lambda p: (p.line, p.col)))
+    return Policy(version=1, rules=top, dns=dns, clients=clients, require_client=require_client, source=file)
+
+
+def load_policy_file(path: str | Path) -> Policy:
+    """Read and validate a policy file; `password_file` paths are relative to it."""
+    path = Path(path)
+    name = str(path)
+    try:
+        size = path.stat().st_size
+        if size > MAX_POLICY_BYTES:
+            raise PolicyInvalid([Problem(name, 1, 1, f"the policy is {size} bytes, over the {MAX_POLICY_BYTES // 2**20} MiB limit; refusing to read it")])
+        raw = path.read_bytes()
+    except OSError as e:
+        raise PolicyInvalid([Problem(name, 1, 1, f"cannot read the policy: {e.strerror or e}")]) from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise PolicyInvalid([Problem(name, 1, 1, f"the policy is not UTF-8 text ({e.reason} at byte {e.start})")]) from None
+
+    def read_secret(secret_path: str) -> str:
+        p = Path(secret_path)
+        if not p.is_absolute():
+            p = path.parent / p
+        return p.read_text(encoding="utf-8").strip("\r\n")
+
+    return load_policy_text(text, name, read_secret)

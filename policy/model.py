@@ -1,0 +1,74 @@
+"""The policy as plain, immutable data. Built by policy.loader, read by policy.decide.
+
+Defaults live here and nowhere else.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from policy.matchers import AddressSet, HostMatcher
+
+DEFAULT_PORTS: frozenset[int] = frozenset({80, 443})
+STANDARD_METHODS: frozenset[str] = frozenset(
+    {"GET", "HEAD", "POST", "PUT", "DELETE", "CONNECT", "OPTIONS", "TRACE", "PATCH"}
+)
+MIB = 1024 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class DnsSettings:
+    # (host, port) pairs; empty means the system's resolv.conf.
+    nameservers: tuple[tuple[str, int], ...] = ()
+    timeout: float = 3.0
+    # Answers are cached for their TTL, clamped to this window.
+    min_ttl: float = 5.0
+    max_ttl: float = 300.0
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    connect_timeout: float = 10.0
+    request_timeout: float = 30.0
+    idle_timeout: float = 60.0
+    max_response_bytes: int = 10 * MIB
+    max_request_bytes: int = 1 * MIB
+    tunnel_max_bytes: int | None = None  # per direction; None = unlimited
+    tunnel_max_seconds: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Rules:
+    """What one client profile (or the top level) may do."""
+
+    action: str = "enforce"  # or "report"
+    allow: HostMatcher | None = None  # None: every public host
+    deny: HostMatcher = field(default_factory=HostMatcher)
+    ports: frozenset[int] = DEFAULT_PORTS
+    methods: frozenset[str] = STANDARD_METHODS
+    private_networks: AddressSet = field(default_factory=AddressSet)
+    limits: Limits = field(default_factory=Limits)
+    intercept: HostMatcher = field(default_factory=HostMatcher)
+    strip_request_headers: frozenset[str] = frozenset()
+
+
+@dataclass(frozen=True, slots=True)
+class ClientProfile:
+    name: str
+    rules: Rules
+    usernames: frozenset[str] = frozenset()
+    # username -> verifier ("sha256:<hex>", "pbkdf2_sha256$iter$salt$hash", or
+    # "file:<path>" resolved at load time to the secret's hash)
+    credentials: tuple[tuple[str, str], ...] = ()
+    sources: AddressSet = field(default_factory=AddressSet)
+    origin: str = ""  # file:line where the profile is defined
+
+
+@dataclass(frozen=True, slots=True)
+class Policy:
+    version: int = 1
+    rules: Rules = field(default_factory=Rules)
+    dns: DnsSettings = field(default_factory=DnsSettings)
+    clients: tuple[ClientProfile, ...] = ()
+    require_client: bool = False
+    source: str = "<default>"

@@ -1,0 +1,86 @@
+"""The one list of refusal reason codes: their HTTP status and what they mean.
+
+Codes are stable API: agents and operators match on them (the `Sluice-Reason`
+response header and the audit log's `reason`). Add codes; never rename one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+
+class Reason(StrEnum):
+    ADDRESS_NOT_PUBLIC = "address_not_public"
+    INTERNAL_HOSTNAME = "internal_hostname"
+    MALFORMED_HOST = "malformed_host"
+    DNS_ANSWER_NOT_PUBLIC = "dns_answer_not_public"
+    DNS_FAILED = "dns_failed"
+    PORT_NOT_ALLOWED = "port_not_allowed"
+    SCHEME_NOT_ALLOWED = "scheme_not_allowed"
+    URL_CREDENTIALS = "url_credentials"
+    HOST_DENIED = "host_denied"
+    HOST_NOT_ALLOWED = "host_not_allowed"
+    METHOD_NOT_ALLOWED = "method_not_allowed"
+    CLIENT_UNKNOWN = "client_unknown"
+    REQUEST_TOO_LARGE = "request_too_large"
+    RESPONSE_TOO_LARGE = "response_too_large"
+    CONNECT_TIMEOUT = "connect_timeout"
+    REQUEST_TIMEOUT = "request_timeout"
+    IDLE_TIMEOUT = "idle_timeout"
+    TUNNEL_TOO_LARGE = "tunnel_too_large"
+    TUNNEL_TIMEOUT = "tunnel_timeout"
+    REDIRECT_REFUSED = "redirect_refused"
+    HOST_MISMATCH = "host_mismatch"
+
+
+@dataclass(frozen=True, slots=True)
+class ReasonInfo:
+    status: int
+    meaning: str  # one line for the README's table and `sluice reasons`
+
+
+REASONS: dict[Reason, ReasonInfo] = {
+    Reason.ADDRESS_NOT_PUBLIC: ReasonInfo(403, "the destination is an IP address outside the public internet (loopback, private, link-local, metadata, reserved, ...)"),
+    Reason.INTERNAL_HOSTNAME: ReasonInfo(403, "the host name is an internal name (localhost, *.internal, *.local, single-label, cluster and metadata names)"),
+    Reason.MALFORMED_HOST: ReasonInfo(403, "the host is neither a valid DNS name nor an IP address"),
+    Reason.DNS_ANSWER_NOT_PUBLIC: ReasonInfo(403, "the name resolved (directly or through a CNAME) to at least one non-public address"),
+    Reason.DNS_FAILED: ReasonInfo(502, "the name could not be resolved (no such name, no address, timeout); Sluice fails closed"),
+    Reason.PORT_NOT_ALLOWED: ReasonInfo(403, "the destination port is not in the policy's `ports`"),
+    Reason.SCHEME_NOT_ALLOWED: ReasonInfo(403, "only http and https URLs may pass"),
+    Reason.URL_CREDENTIALS: ReasonInfo(403, "the URL carries user:password@ credentials"),
+    Reason.HOST_DENIED: ReasonInfo(403, "the host matches a `deny` rule"),
+    Reason.HOST_NOT_ALLOWED: ReasonInfo(403, "the policy has an `allow` list and the host is not on it"),
+    Reason.METHOD_NOT_ALLOWED: ReasonInfo(403, "the HTTP method is not in the policy's `methods`"),
+    Reason.CLIENT_UNKNOWN: ReasonInfo(407, "`require_client` is set and the client matched no profile (or gave wrong credentials)"),
+    Reason.REQUEST_TOO_LARGE: ReasonInfo(413, "the request body is over `limits.max_request_bytes`"),
+    Reason.RESPONSE_TOO_LARGE: ReasonInfo(502, "the response body is over `limits.max_response_bytes`"),
+    Reason.CONNECT_TIMEOUT: ReasonInfo(504, "the origin did not accept the connection within `limits.connect_timeout`"),
+    Reason.REQUEST_TIMEOUT: ReasonInfo(504, "the whole exchange took longer than `limits.request_timeout`"),
+    Reason.IDLE_TIMEOUT: ReasonInfo(504, "nothing moved for `limits.idle_timeout`"),
+    Reason.TUNNEL_TOO_LARGE: ReasonInfo(502, "a tunnel carried more than `limits.tunnel_max_bytes` in one direction"),
+    Reason.TUNNEL_TIMEOUT: ReasonInfo(504, "a tunnel stayed open longer than `limits.tunnel_max_seconds`"),
+    Reason.REDIRECT_REFUSED: ReasonInfo(403, "the response redirects to a destination the policy refuses"),
+    Reason.HOST_MISMATCH: ReasonInfo(403, "inside an intercepted tunnel, the Host header or SNI names another host than the CONNECT target"),
+}
+
+# Sent with every refusal so an agent knows this is deliberate and final.
+POLICY_SUFFIX = (
+    "This is the network's egress policy, not a transient error: do not retry "
+    "or try another route; ask the operator if this access is needed."
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Refusal:
+    reason: Reason
+    detail: str  # what was refused and why, e.g. "169.254.169.254 is link-local (cloud metadata)"
+    rule: str | None = None  # where the deciding rule lives (file:line), when a rule decided
+
+    @property
+    def status(self) -> int:
+        return REASONS[self.reason].status
+
+    @property
+    def message(self) -> str:
+        return f"Sluice refused this request: {self.detail}. {POLICY_SUFFIX}"

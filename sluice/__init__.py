@@ -1,0 +1,1 @@
+"""Sluice's command line: `sluice proxy`, `sluice policy ...`, `sluice ca`."""

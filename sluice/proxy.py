@@ -1,0 +1,76 @@
+"""`sluice proxy`: mitmproxy with the Sluice addons, in the foreground."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import sys
+
+from mitmproxy import ctx, exceptions, options
+from mitmproxy.addons.termlog import TermLog
+from mitmproxy.tools.dump import DumpMaster
+
+from addons.sluice_addon import make_addons
+
+# mitmproxy defaults Sluice changes: no onboarding app (mitm.it would answer
+# inside the proxy), and quiet connection chatter (the audit log is the record).
+SLUICE_DEFAULTS = {
+    "onboarding": False,
+    "termlog_verbosity": "warn",
+}
+
+
+class ReadyLine:
+    """Prints one line on stderr once every listener is up."""
+
+    def __init__(self, policy_path: str) -> None:
+        self.policy_path = policy_path
+
+    def running(self) -> None:
+        addrs = ctx.master.addons.get("proxyserver").listen_addrs()
+        shown = " ".join(f"[{h}]:{p}" if ":" in h else f"{h}:{p}" for h, p, *_ in addrs)
+        modes = ",".join(ctx.options.mode)
+        print(f"sluice: ready on {shown} (mode {modes}; policy {self.policy_path})", file=sys.stderr, flush=True)
+
+
+def parse_listen(text: str) -> tuple[str, int]:
+    host, sep, port = text.rpartition(":")
+    if not sep or not port.isdigit() or not 0 <= int(port) < 65536:
+        raise ValueError(f"--listen {text!r}: expected HOST:PORT, e.g. 127.0.0.1:8080 or [::1]:8080")
+    host = host.strip("[]") or "127.0.0.1"
+    return host, int(port)
+
+
+async def _serve(policy: str, listen: tuple[str, int], modes: list[str], audit_log: str, sets: list[str]) -> int:
+    opts = options.Options(listen_host=listen[0], listen_port=listen[1])
+    master = DumpMaster(opts, with_termlog=False, with_dumper=False)
+    master.addons.add(TermLog(out=sys.stderr))
+    master.addons.add(*make_addons(), ReadyLine(policy))
+    try:
+        opts.update(**SLUICE_DEFAULTS)
+        opts.update(mode=modes or ["regular"], sluice_audit_log=audit_log)
+        if sets:
+            opts.set(*sets)
+        opts.update(sluice_policy=policy)
+    except (exceptions.OptionsError, KeyError) as e:
+        message = e.args[0] if isinstance(e, KeyError) and e.args else e
+        print(f"sluice: {message}", file=sys.stderr)
+        return 2
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, master.shutdown)
+    if hasattr(signal, "SIGPIPE"):
+        signal.signal(signal.SIGPIPE, signal.SIG_IGN)
+    await master.run()
+    return 0
+
+
+def run(policy: str, listen: str, modes: list[str], audit_log: str, sets: list[str]) -> int:
+    try:
+        address = parse_listen(listen)
+    except ValueError as e:
+        print(f"sluice: {e}", file=sys.stderr)
+        return 2
+    logging.getLogger("asyncio").setLevel(logging.WARNING)
+    return asyncio.run(_serve(policy, address, modes, audit_log, sets))
