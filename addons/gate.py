@@ -26,8 +26,8 @@ from mitmproxy.proxy.server_hooks import ServerConnectionHookData
 
 from addons.audit import AuditLog
 from addons.policy_source import PolicySource
-from addons.resolver import DnsFailure
-from policy.decide import Decision, Destination, check_answers, check_request, check_address
+from addons.resolver import decide
+from policy.decide import Decision, Destination, check_address
 from policy.hosts import IPHost
 from policy.model import Rules
 from policy.reasons import REASONS, Reason, Refusal
@@ -88,16 +88,9 @@ class EgressGate:
         return live.policy.rules, None
 
     async def decide(self, rules: Rules, dest: Destination) -> Decision:
-        decision = check_request(rules, dest)
-        if not decision.needs_dns:
-            return decision
         live = self.source.current
         assert live is not None
-        try:
-            resolution = await live.resolver.resolve(decision.host.name)
-        except DnsFailure as failure:
-            return Decision(False, decision.host, Refusal(Reason.DNS_FAILED, str(failure)), port=dest.port)
-        return check_answers(rules, decision, resolution.addresses, resolution.cnames)
+        return await decide(rules, dest, live.resolver)
 
     async def _gate_http(self, flow: http.HTTPFlow, method: str) -> None:
         request = flow.request

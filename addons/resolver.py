@@ -20,7 +20,9 @@ import dns.nameserver
 import dns.rdatatype
 import dns.resolver
 
-from policy.model import DnsSettings
+from policy.decide import Decision, Destination, check_answers, check_request
+from policy.model import DnsSettings, Rules
+from policy.reasons import Reason, Refusal
 
 MAX_CNAME_HOPS = 8
 CACHE_ENTRIES = 10_000
@@ -157,3 +159,30 @@ class PinnedResolver:
                 return [], chain, float(self.settings.min_ttl)  # no records of this type
             qname = answer.canonical_name  # the server stopped mid-chain: follow it ourselves
         raise DnsFailure(f"{name} has a CNAME chain longer than {MAX_CNAME_HOPS} hops")
+
+
+class StaticResolver:
+    """Answers from a fixed table (`sluice policy explain --resolve HOST=IP`,
+    policy test cases); a name not in the table fails like NXDOMAIN."""
+
+    def __init__(self, table: dict[str, list[str]]) -> None:
+        self.table = table
+
+    async def resolve(self, name: str) -> Resolution:
+        addresses = self.table.get(name)
+        if not addresses:
+            raise DnsFailure(f"{name} has no address in the given --resolve table", cacheable=True)
+        return Resolution(tuple(addresses), (), 0.0)
+
+
+async def decide(rules: Rules, dest: Destination, resolver: PinnedResolver | StaticResolver) -> Decision:
+    """The whole decision for one destination: the pure checks, with the
+    lookup in between. The gate and `sluice policy explain` both use this."""
+    decision = check_request(rules, dest)
+    if not decision.needs_dns:
+        return decision
+    try:
+        resolution = await resolver.resolve(decision.host.name)
+    except DnsFailure as failure:
+        return Decision(False, decision.host, Refusal(Reason.DNS_FAILED, str(failure)), port=dest.port)
+    return check_answers(rules, decision, resolution.addresses, resolution.cnames)

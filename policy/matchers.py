@@ -85,6 +85,11 @@ class AddressSet:
         return len(self.entries)
 
     def match(self, value: int, version: int, port: int | None = None) -> Rule | None:
+        entry = self.match_entry(value, version, port)
+        return entry.rule if entry else None
+
+    def match_entry(self, value: int, version: int, port: int | None = None) -> AddressEntry | None:
+        """The most specific entry holding this address (and port, if the entry names one)."""
         bits = 32 if version == 4 else 128
         for v, length in self._lengths:
             if v != version:
@@ -93,7 +98,7 @@ class AddressSet:
             if bucket:
                 for e in bucket:
                     if e.port is None or port is None or e.port == port:
-                        return e.rule
+                        return e
         return None
 
     def match_address(self, address: str, port: int | None = None) -> Rule | None:

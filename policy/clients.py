@@ -1,0 +1,79 @@
+"""Which client profile's rules apply to a client: a pure function.
+
+A client is matched by its proxy username (Proxy-Authorization Basic, checked
+against the profile's verifier) or else by its source address (the most
+specific `sources` CIDR wins). Wrong credentials never fall back to another
+profile. An unmatched client gets the top-level rules, unless
+`require_client` is set, which refuses it with 407.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+from dataclasses import dataclass
+
+import netaddr
+
+from policy.model import ClientProfile, Policy, Rules
+from policy.reasons import Reason, Refusal
+
+
+@dataclass(frozen=True, slots=True)
+class ClientMatch:
+    rules: Rules
+    profile: str | None  # None: the top-level policy
+    refusal: Refusal | None = None  # set when the client must be refused (407)
+
+
+def verify_password(verifier: str, password: str) -> bool:
+    """Constant-time check of a password against a `password_hash` verifier."""
+    if verifier.startswith("sha256:"):
+        digest = hashlib.sha256(password.encode()).hexdigest()
+        return hmac.compare_digest(digest, verifier[7:])
+    parts = verifier.split("$")
+    if len(parts) != 4 or parts[0] != "pbkdf2_sha256":
+        return False
+    _, iterations, salt, expected = parts
+    digest = hashlib.pbkdf2_hmac("sha256", password.encode(), bytes.fromhex(salt), int(iterations))
+    return hmac.compare_digest(digest.hex(), expected)
+
+
+def _profile_for_user(policy: Policy, username: str) -> tuple[ClientProfile, str] | None:
+    for profile in policy.clients:
+        for user, verifier in profile.credentials:
+            if user == username:
+                return profile, verifier
+    return None
+
+
+def match_client(
+    policy: Policy,
+    source: str | None,
+    username: str | None = None,
+    password: str | None = None,
+    verify=verify_password,
+) -> ClientMatch:
+    """`verify(verifier, password) -> bool` is injectable so the edge can cache it."""
+    if username is not None:
+        found = _profile_for_user(policy, username)
+        if found is None or password is None or not verify(found[1], password):
+            return ClientMatch(policy.rules, None, Refusal(
+                Reason.CLIENT_UNKNOWN, "the proxy credentials were not accepted; check the username and password your proxy URL carries"))
+        return ClientMatch(found[0].rules, found[0].name)
+    if source is not None:
+        best: tuple[int, ClientProfile] | None = None
+        for profile in policy.clients:
+            if not profile.sources:
+                continue
+            ip = netaddr.IPAddress(source)
+            entry = profile.sources.match_entry(int(ip), ip.version)
+            if entry is not None and (best is None or entry.prefixlen > best[0]):
+                best = (entry.prefixlen, profile)
+        if best is not None:
+            return ClientMatch(best[1].rules, best[1].name)
+    if policy.require_client:
+        return ClientMatch(policy.rules, None, Refusal(
+            Reason.CLIENT_UNKNOWN, "this proxy serves only known clients; authenticate with the username and password you were given (Proxy-Authorization)"))
+    return ClientMatch(policy.rules, None)
+
