@@ -25,7 +25,8 @@ from mitmproxy.proxy.layers import modes
 from mitmproxy.proxy.server_hooks import ServerConnectionHookData
 
 from addons.audit import AuditLog
-from addons.policy_source import PolicySource
+from addons.identity import PROXY_AUTHORIZATION, ClientIdentifier
+from addons.policy_source import LivePolicy, PolicySource
 from addons.resolver import decide
 from policy.decide import Decision, Destination, check_address
 from policy.hosts import IPHost
@@ -74,42 +75,46 @@ class EgressGate:
     def __init__(self, source: PolicySource, audit: AuditLog) -> None:
         self.source = source
         self.audit = audit
-        # (client id) -> {(ip, port)} the request-level gate approved and pinned,
-        # so server_connect knows the host rules were already applied.
-        self._approved: dict[str, set[tuple[str, int]]] = {}
+        # client id -> {(ip, port): the rules that approved it} for what the
+        # request-level gate approved and pinned, so server_connect knows the
+        # host rules were already applied.
+        self._approved: dict[str, dict[tuple[str, int], Rules]] = {}
         # server connection id -> the host the client asked for, for tunnel audits.
         self._tunnel_hosts: dict[str, Verdict] = {}
+        self.identity = ClientIdentifier()
 
     # ---- deciding ------------------------------------------------------
 
-    def rules_for(self, client: connection.Client) -> tuple[Rules, str | None]:
+    def live(self) -> LivePolicy:
         live = self.source.current
         assert live is not None, "the policy is loaded before the proxy starts"
-        return live.policy.rules, None
-
-    async def decide(self, rules: Rules, dest: Destination) -> Decision:
-        live = self.source.current
-        assert live is not None
-        return await decide(rules, dest, live.resolver)
+        return live
 
     async def _gate_http(self, flow: http.HTTPFlow, method: str) -> None:
         request = flow.request
-        rules, profile = self.rules_for(flow.client_conn)
+        live = self.live()  # one policy snapshot for the whole decision
+        authorization = request.headers.pop(PROXY_AUTHORIZATION, None)  # never forwarded
+        client = self.identity.match(live.policy, flow.client_conn, authorization)
         dest = Destination(
             host=request.host, port=request.port,
             scheme=None if method == "CONNECT" else request.scheme, method=method,
         )
-        decision = await self.decide(rules, dest)
-        verdict = Verdict(request.host, request.port, decision, profile, time.time())
+        if client.refusal is not None:
+            decision = Decision(False, None, client.refusal, port=request.port)
+        else:
+            decision = await decide(client.rules, dest, live.resolver)
+        verdict = Verdict(request.host, request.port, decision, client.profile, time.time())
         flow.metadata[META] = verdict
         if not decision.allowed:
             flow.response = refusal_response(decision.refusal)
+            if decision.refusal.reason is Reason.CLIENT_UNKNOWN:
+                flow.response.headers["Proxy-Authenticate"] = 'Basic realm="sluice"'
             return
         # Pin: mitmproxy dials (and keys connection reuse on) request.host.
         request.data.host = decision.address
         if method == "CONNECT":
             self._tunnel_hosts[flow.server_conn.id] = verdict
-        self._approved.setdefault(flow.client_conn.id, set()).add((decision.address, request.port))
+        self._approved.setdefault(flow.client_conn.id, {})[(decision.address, request.port)] = client.rules
 
     # ---- hooks ---------------------------------------------------------
 
@@ -128,17 +133,24 @@ class EgressGate:
         if server.address is None or server.error:
             return
         host, port = server.address
-        approved = self._approved.get(data.client.id, ())
-        rules, profile = self.rules_for(data.client)
-        if (host, port) in approved:
+        approved_rules = self._approved.get(data.client.id, {}).get((host, port))
+        if approved_rules is not None:
             # Decided with the host rules at request level; re-check the address.
-            refusal = check_address(rules, host, port)
+            refusal = check_address(approved_rules, host, port)
             if refusal is None:
                 return
             decision = Decision(False, IPHost(host, 6 if ":" in host else 4), refusal, port=port)
+            self._audit_refusal(data.client, host, port, decision, None)
+            server.error = f"{refusal.reason.value}: {refusal.message}"
+            return
+        live = self.live()
+        client = self.identity.match(live.policy, data.client, None)
+        rules, profile = client.rules, client.profile
+        if client.refusal is not None:
+            decision = Decision(False, None, client.refusal, port=port)
         else:
             # SOCKS5, transparent, or anything else that reached a dial.
-            decision = await self.decide(rules, Destination(host=host, port=port))
+            decision = await decide(rules, Destination(host=host, port=port), live.resolver)
             if decision.allowed:
                 self._tunnel_hosts[server.id] = Verdict(host, port, decision, profile, time.time())
                 server.address = (decision.address, port)  # pin

@@ -1,18 +1,33 @@
-"""Holds the live policy and its resolver; loads it at start-up.
+"""Holds the live policy and its resolver; loads it, and reloads it safely.
 
 Every decision reads `PolicySource.current` once and uses that one snapshot
-throughout, so a reload swapping it in never mixes two policies in one decision.
+throughout, so a reload swapping it in never mixes two policies in one
+decision, and live connections are untouched by a swap.
+
+Reload triggers: the file changing (polled: survives editors' write-to-temp
+then rename and Kubernetes ConfigMap symlink swaps, since the path is re-read
+through its symlinks each time) and SIGHUP. A new policy is validated in full
+before the swap; a bad edit or a deleted file keeps the last good policy and
+is reported (stderr in FILE:LINE:COL form, and a `reload` audit line).
 """
 
 from __future__ import annotations
 
+import asyncio
+import hashlib
+import logging
+import os
+import signal
 from dataclasses import dataclass
 
 from mitmproxy import ctx, exceptions
 
+from addons.audit import AuditLog
 from addons.resolver import PinnedResolver
-from policy.loader import PolicyInvalid, load_policy_file
+from policy.loader import PolicyInvalid, read_policy_file
 from policy.model import Policy
+
+logger = logging.getLogger("sluice.policy")
 
 
 @dataclass(frozen=True, slots=True)
@@ -20,28 +35,100 @@ class LivePolicy:
     policy: Policy
     resolver: PinnedResolver
     generation: int
+    digest: str  # sha256 of the file's bytes
 
 
 class PolicySource:
-    def __init__(self) -> None:
+    def __init__(self, audit: AuditLog) -> None:
+        self.audit = audit
         self.current: LivePolicy | None = None
+        self._poller: asyncio.Task | None = None
+        self._last_seen: tuple | None = None  # what the file looked like at the last check
+        self._missing_reported = False
 
     def load(self, loader) -> None:
+        loader.add_option("sluice_policy", str, "config/policy.yaml", "Path of Sluice's YAML egress policy.")
         loader.add_option(
-            "sluice_policy", str, "config/policy.yaml",
-            "Path of Sluice's YAML egress policy.",
+            "sluice_policy_poll", float, 1.0,
+            "Seconds between checks of the policy file for changes (0 disables; SIGHUP always reloads).",
         )
 
     def configure(self, updated) -> None:
         if "sluice_policy" in updated:
+            path = ctx.options.sluice_policy
             try:
-                policy = load_policy_file(ctx.options.sluice_policy)
+                policy, digest = self._read(path)
             except PolicyInvalid as e:
                 raise exceptions.OptionsError(f"invalid policy:\n{e}") from None
-            self.install(policy)
+            self.install(policy, digest)
+            self._last_seen = _signature(path)
 
-    def install(self, policy: Policy) -> LivePolicy:
+    def running(self) -> None:
+        try:
+            asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, self.reload)
+        except (NotImplementedError, RuntimeError, ValueError):
+            pass  # not the main thread (embedded use): polling still works
+        if ctx.options.sluice_policy_poll > 0 and self._poller is None:
+            self._poller = asyncio.ensure_future(self._poll())
+
+    def done(self) -> None:
+        if self._poller is not None:
+            self._poller.cancel()
+            self._poller = None
+
+    async def _poll(self) -> None:
+        while True:
+            await asyncio.sleep(ctx.options.sluice_policy_poll)
+            try:
+                signature = _signature(ctx.options.sluice_policy)
+                if signature != self._last_seen:
+                    self._last_seen = signature
+                    self.reload()
+            except Exception:  # the watcher must never die
+                logger.exception("policy watcher error")
+
+    def reload(self) -> bool:
+        """Validate the file and swap it in; keep the last good policy on any failure."""
+        path = ctx.options.sluice_policy
+        if not os.path.exists(path):
+            if not self._missing_reported:
+                logger.warning(f"{path}: the policy file is gone; keeping the last good policy")
+                self.audit.write(event="reload", decision="failed", detail=f"{path} is missing; last good policy kept")
+                self._missing_reported = True
+            return False
+        self._missing_reported = False
+        try:
+            policy, digest = self._read(path)
+        except PolicyInvalid as e:
+            for problem in e.problems:
+                logger.error(str(problem))
+            logger.error(f"{path}: reload refused ({len(e.problems)} problem(s)); keeping the last good policy")
+            self.audit.write(event="reload", decision="failed", detail="; ".join(str(p) for p in e.problems[:20]))
+            return False
+        if self.current is not None and digest == self.current.digest:
+            return True  # touched, not changed
+        live = self.install(policy, digest)
+        logger.warning(f"{path}: policy reloaded (generation {live.generation})")
+        self.audit.write(event="reload", decision="ok", detail=f"{path} generation {live.generation}")
+        return True
+
+    @staticmethod
+    def _read(path: str) -> tuple[Policy, str]:
+        policy, raw = read_policy_file(path)
+        return policy, hashlib.sha256(raw).hexdigest()
+
+    def install(self, policy: Policy, digest: str = "") -> LivePolicy:
         old = self.current
         resolver = old.resolver if old and old.policy.dns == policy.dns else PinnedResolver(policy.dns)
-        self.current = LivePolicy(policy, resolver, (old.generation + 1) if old else 1)
+        self.current = LivePolicy(policy, resolver, (old.generation + 1) if old else 1, digest)
         return self.current
+
+
+def _signature(path: str) -> tuple | None:
+    """Changes whenever the content the path leads to may have changed,
+    including a symlink retargeted (ConfigMap ..data swaps) or a rename over it."""
+    try:
+        st = os.stat(path)  # follows symlinks
+        return (os.path.realpath(path), st.st_ino, st.st_size, st.st_mtime_ns)
+    except OSError:
+        return None

@@ -9,8 +9,8 @@ from addons.policy_source import PolicySource
 
 
 def make_addons() -> list:
-    source = PolicySource()
     audit = AuditLog()
+    source = PolicySource(audit)
     return [source, audit, EgressGate(source, audit)]
 
 

@@ -524,6 +524,11 @@ def load_policy_text(text: str, file: str = "<policy>", read_secret: Callable[[s
 
 def load_policy_file(path: str | Path) -> Policy:
     """Read and validate a policy file; `password_file` paths are relative to it."""
+    return read_policy_file(path)[0]
+
+
+def read_policy_file(path: str | Path) -> tuple[Policy, bytes]:
+    """The validated policy and the exact bytes it was read from (one read)."""
     path = Path(path)
     name = str(path)
     try:
@@ -544,4 +549,4 @@ def load_policy_file(path: str | Path) -> Policy:
             p = path.parent / p
         return p.read_text(encoding="utf-8").strip("\r\n")
 
-    return load_policy_text(text, name, read_secret)
+    return load_policy_text(text, name, read_secret), raw
