@@ -13,7 +13,10 @@ import sys
 import time
 from typing import IO, Any
 
-from mitmproxy import ctx
+from mitmproxy import connection, ctx, http, tcp
+
+from addons.verdict import Verdict, verdict_of
+from policy.decide import Decision
 
 # The one list of audit fields, in output order. Absent values are null.
 FIELDS = (
@@ -55,3 +58,97 @@ class AuditLog:
         out = self._out or sys.stdout
         out.write(json.dumps(line, separators=(",", ":"), ensure_ascii=False) + "\n")
         out.flush()
+
+    # ---- hooks: this addon runs last, after every cap and guard ---------
+
+    def response(self, flow: http.HTTPFlow) -> None:
+        self.http_flow(flow)
+
+    def error(self, flow: http.HTTPFlow) -> None:
+        self.http_flow(flow)
+
+    def http_connect_error(self, flow: http.HTTPFlow) -> None:
+        self.http_flow(flow)
+
+    def tcp_end(self, flow: tcp.TCPFlow) -> None:
+        self.tunnel(flow)
+
+    def tcp_error(self, flow: tcp.TCPFlow) -> None:
+        self.tunnel(flow)
+
+    # ---- the three kinds of decision line --------------------------------
+
+    def http_flow(self, flow: http.HTTPFlow) -> None:
+        """One line when an HTTP exchange (or a refused CONNECT) ends."""
+        verdict = verdict_of(flow)
+        if verdict is None or verdict.logged:
+            return
+        verdict.logged = True
+        d = verdict.decision
+        refusal = d.refusal or verdict.cap
+        soft = d.would_refuse
+        response = flow.response
+        connect = flow.request.method == "CONNECT"
+        self.write(
+            event="connect" if connect else "request",
+            id=flow.id, client=peer(flow.client_conn), profile=verdict.profile,
+            method=flow.request.method, scheme=None if connect else flow.request.scheme,
+            host=str(d.host) if d.host else verdict.host, port=verdict.port, address=d.address,
+            decision="refuse" if refusal else "allow",
+            reason=(refusal or soft).reason.value if (refusal or soft) else None,
+            would_refuse=True if soft else None,
+            rule=_rule(d, refusal),
+            status=(refusal.status if verdict.cap and not verdict.response_started else
+                    response.status_code if response else None),
+            bytes_out=verdict.bytes_from_client or (len(flow.request.raw_content or b"") if d.allowed else 0),
+            bytes_in=verdict.bytes_from_server or (len(response.raw_content or b"") if response and d.allowed else 0),
+            duration=round(time.time() - verdict.started, 4),
+            detail=refusal.detail if refusal else (flow.error.msg if flow.error else None),
+        )
+
+    def tunnel(self, flow: tcp.TCPFlow) -> None:
+        """One line when a tunnel (CONNECT, SOCKS5, transparent) closes."""
+        verdict = verdict_of(flow)
+        if verdict is not None and verdict.logged:
+            return
+        server = flow.server_conn
+        address = server.peername[0] if server.peername else (server.address[0] if server.address else None)
+        if verdict is None:  # not decided by the gate: should not happen, log what we know
+            verdict = Verdict(address or "?", server.address[1] if server.address else 0, Decision(True), None, None)
+            flow.metadata["sluice"] = verdict
+        verdict.logged = True
+        d = verdict.decision
+        self.write(
+            event="tunnel", id=flow.id, client=peer(flow.client_conn), profile=verdict.profile,
+            host=str(d.host) if d.host else verdict.host, port=verdict.port, address=address,
+            decision="refuse" if verdict.cap else "allow",
+            reason=(verdict.cap or d.would_refuse).reason.value if (verdict.cap or d.would_refuse) else None,
+            would_refuse=True if d.would_refuse else None, rule=_rule(d, verdict.cap),
+            bytes_out=verdict.bytes_from_client, bytes_in=verdict.bytes_from_server,
+            duration=round(time.time() - verdict.started, 4),
+            detail=verdict.cap.detail if verdict.cap else (flow.error.msg if flow.error else None),
+        )
+
+    def refused_connection(self, client: connection.Client, host: str, port: int, decision: Decision, profile: str | None) -> None:
+        """A connection refused at dial time (SOCKS5, transparent, last gate)."""
+        refusal = decision.refusal
+        self.write(
+            event="connect", client=peer(client), profile=profile,
+            host=str(decision.host) if decision.host else host, port=port,
+            decision="refuse", reason=refusal.reason.value, rule=refusal.rule, detail=refusal.detail,
+        )
+
+
+def _rule(d: Decision, refusal) -> str | None:
+    if refusal is not None:
+        return refusal.rule
+    if d.would_refuse is not None:
+        return d.would_refuse.rule
+    return d.rule.origin if d.rule else None
+
+
+def peer(conn: connection.Client) -> str | None:
+    if not conn.peername:
+        return None
+    host, port = conn.peername[:2]
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"

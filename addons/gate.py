@@ -5,128 +5,131 @@
   validated IP. The Host header is left as the client sent it, and mitmproxy
   dials and reuses connections keyed by that IP, so keep-alive keeps working.
 - CONNECT: `http_connect` decides and pins the tunnel's server address the
-  same way (so SNI and Host inside stay the client's).
+  same way (SNI and Host inside stay the client's).
 - SOCKS5 and transparent connections, and every connection whatsoever:
-  `server_connect` is the last gate. It re-checks the address that is about
-  to be dialled; a name (SOCKS5 with a hostname) is resolved here and pinned.
+  `server_connect` is the last gate. It re-checks the address about to be
+  dialled; a name (SOCKS5 with a hostname) is resolved here and pinned.
   Nothing is ever dialled by name, so mitmproxy and the OS never resolve.
-- Tunnels that are not intercepted are carried as raw TCP flows (never TLS
-  interception by default), which keeps per-tunnel byte counts.
+- Tunnels are carried as raw TCP flows (validated, pinned, byte-counted, never
+  decrypted) unless the policy's `intercept` names their host; then
+  mitmproxy terminates TLS and every request inside is gated too, with the
+  tunnel's host as the only host it may name (else `host_mismatch`).
 """
 
 from __future__ import annotations
 
-import time
-from dataclasses import dataclass
-
 from mitmproxy import connection, http, tcp
+from mitmproxy.net.http import url as mitm_url
 from mitmproxy.proxy import layer, layers
 from mitmproxy.proxy.layers import modes
 from mitmproxy.proxy.server_hooks import ServerConnectionHookData
 
 from addons.audit import AuditLog
+from addons.caps import Caps
 from addons.identity import PROXY_AUTHORIZATION, ClientIdentifier
 from addons.policy_source import LivePolicy, PolicySource
+from addons.refusals import refusal_response
 from addons.resolver import decide
+from addons.verdict import META, Verdict, verdict_of
 from policy.decide import Decision, Destination, check_address
-from policy.hosts import IPHost
+from policy.hosts import HostError, IPHost, NameHost, parse_host
 from policy.model import Rules
-from policy.reasons import REASONS, Reason, Refusal
+from policy.reasons import Reason, Refusal
 
-REASON_HEADER = "Sluice-Reason"
-META = "sluice"  # flow.metadata key
-
-
-@dataclass(slots=True)
-class Verdict:
-    """What the gate decided for one flow, kept in flow.metadata for the audit."""
-
-    host: str
-    port: int
-    decision: Decision
-    profile: str | None
-    started: float
-
-
-def refusal_response(refusal: Refusal) -> http.Response:
-    body = refusal.message + "\n"
-    return http.Response.make(
-        refusal.status,
-        body.encode(),
-        {
-            "Content-Type": "text/plain; charset=utf-8",
-            REASON_HEADER: refusal.reason.value,
-            # RFC 9209, so generic HTTP tooling can see who refused and why.
-            "Proxy-Status": f'sluice; error="{_proxy_status_error(refusal.reason)}"; details="{refusal.reason.value}"',
-            "Cache-Control": "no-store",
-        },
-    )
-
-
-def _proxy_status_error(reason: Reason) -> str:
-    if reason is Reason.DNS_FAILED:
-        return "dns_error"
-    if reason in (Reason.CONNECT_TIMEOUT,):
-        return "connection_timeout"
-    return "destination_ip_prohibited" if REASONS[reason].status == 403 else "proxy_internal_response"
+# Hop-by-hop request headers never forwarded (RFC 9110 7.6.1), besides those
+# the Connection header names. Upgrade stays so WebSockets keep working.
+HOP_BY_HOP = ("Proxy-Connection", "Keep-Alive", "TE")
 
 
 class EgressGate:
-    def __init__(self, source: PolicySource, audit: AuditLog) -> None:
+    def __init__(self, source: PolicySource, audit: AuditLog, caps: Caps) -> None:
         self.source = source
         self.audit = audit
-        # client id -> {(ip, port): the rules that approved it} for what the
+        self.caps = caps
+        self.identity = ClientIdentifier()
+        # client id -> {(ip, port): the rules that approved it}: what the
         # request-level gate approved and pinned, so server_connect knows the
         # host rules were already applied.
         self._approved: dict[str, dict[tuple[str, int], Rules]] = {}
-        # server connection id -> the host the client asked for, for tunnel audits.
-        self._tunnel_hosts: dict[str, Verdict] = {}
-        self.identity = ClientIdentifier()
-
-    # ---- deciding ------------------------------------------------------
+        # tunnel server connection id -> the tunnel's verdict (its real host),
+        # and client id -> those server ids, for clean-up.
+        self._tunnels: dict[str, Verdict] = {}
+        self._client_tunnels: dict[str, list[str]] = {}
 
     def live(self) -> LivePolicy:
         live = self.source.current
         assert live is not None, "the policy is loaded before the proxy starts"
         return live
 
-    async def _gate_http(self, flow: http.HTTPFlow, method: str) -> None:
+    # ---- HTTP and CONNECT ----------------------------------------------
+
+    async def requestheaders(self, flow: http.HTTPFlow) -> None:
+        if flow.response is not None or flow.request.method == "CONNECT":
+            return
+        tunnel = self._tunnels.get(flow.server_conn.id)
+        if tunnel is not None:
+            await self._gate_inside_tunnel(flow, tunnel)
+        else:
+            await self._gate_http(flow)
+        verdict = verdict_of(flow)
+        if verdict is not None and verdict.decision.allowed:
+            _strip_headers(flow.request, verdict.rules.strip_request_headers if verdict.rules else frozenset())
+
+    async def http_connect(self, flow: http.HTTPFlow) -> None:
+        if flow.response is None:
+            await self._gate_http(flow, connect=True)
+
+    async def _gate_http(self, flow: http.HTTPFlow, connect: bool = False) -> None:
         request = flow.request
         live = self.live()  # one policy snapshot for the whole decision
         authorization = request.headers.pop(PROXY_AUTHORIZATION, None)  # never forwarded
         client = self.identity.match(live.policy, flow.client_conn, authorization)
+        intercept = connect and client.refusal is None and _intercepts(client.rules, request.host)
         dest = Destination(
             host=request.host, port=request.port,
-            scheme=None if method == "CONNECT" else request.scheme, method=method,
+            scheme=None if connect else request.scheme,
+            # An intercepted tunnel's requests are checked one by one, so the
+            # CONNECT itself is not a method the policy must list.
+            method=None if intercept else request.method,
         )
         if client.refusal is not None:
             decision = Decision(False, None, client.refusal, port=request.port)
         else:
             decision = await decide(client.rules, dest, live.resolver)
-        verdict = Verdict(request.host, request.port, decision, client.profile, time.time())
+        verdict = Verdict(request.host, request.port, decision, client.profile,
+                          client.rules if client.refusal is None else None, intercept=intercept)
         flow.metadata[META] = verdict
         if not decision.allowed:
             flow.response = refusal_response(decision.refusal)
-            if decision.refusal.reason is Reason.CLIENT_UNKNOWN:
-                flow.response.headers["Proxy-Authenticate"] = 'Basic realm="sluice"'
             return
+        self.caps.watch_client(flow.client_conn, client.rules)
         # Pin: mitmproxy dials (and keys connection reuse on) request.host.
         request.data.host = decision.address
-        if method == "CONNECT":
-            self._tunnel_hosts[flow.server_conn.id] = verdict
         self._approved.setdefault(flow.client_conn.id, {})[(decision.address, request.port)] = client.rules
+        if connect:
+            if intercept and isinstance(decision.host, NameHost):
+                flow.server_conn.sni = decision.host.name  # verify upstream against the name
+            self._remember_tunnel(flow.client_conn, flow.server_conn, verdict)
 
-    # ---- hooks ---------------------------------------------------------
-
-    async def requestheaders(self, flow: http.HTTPFlow) -> None:
-        if flow.response is not None or flow.request.method == "CONNECT":
+    async def _gate_inside_tunnel(self, flow: http.HTTPFlow, tunnel: Verdict) -> None:
+        """A request inside an intercepted tunnel: it may only talk to the
+        tunnel's host (no domain fronting), and is checked like any request."""
+        request = flow.request
+        rules = tunnel.rules
+        refusal = _fronting(tunnel, request.host_header, flow.client_conn.sni)
+        if refusal is not None or rules is None:
+            decision = Decision(False, None, refusal or Refusal(Reason.CLIENT_UNKNOWN, "unknown client"), port=tunnel.port)
+        else:
+            dest = Destination(tunnel.host, tunnel.port, request.scheme, request.method)
+            decision = await decide(rules, dest, self.live().resolver)
+        flow.metadata[META] = Verdict(tunnel.host, tunnel.port, decision, tunnel.profile, rules)
+        if not decision.allowed:
+            flow.response = refusal_response(decision.refusal)
             return
-        await self._gate_http(flow, flow.request.method)
+        # Stay on the tunnel's pinned address (it was validated at CONNECT).
+        request.data.host = tunnel.decision.address
 
-    async def http_connect(self, flow: http.HTTPFlow) -> None:
-        if flow.response is not None:
-            return
-        await self._gate_http(flow, "CONNECT")
+    # ---- the last gate: every dial ---------------------------------------
 
     async def server_connect(self, data: ServerConnectionHookData) -> None:
         server = data.server
@@ -138,44 +141,54 @@ class EgressGate:
             # Decided with the host rules at request level; re-check the address.
             refusal = check_address(approved_rules, host, port)
             if refusal is None:
+                self.caps.watch_connect(data.client, server, approved_rules.limits)
                 return
-            decision = Decision(False, IPHost(host, 6 if ":" in host else 4), refusal, port=port)
-            self._audit_refusal(data.client, host, port, decision, None)
-            server.error = f"{refusal.reason.value}: {refusal.message}"
+            self._refuse_dial(data, host, port, Decision(False, None, refusal, port=port), None)
             return
         live = self.live()
         client = self.identity.match(live.policy, data.client, None)
-        rules, profile = client.rules, client.profile
         if client.refusal is not None:
-            decision = Decision(False, None, client.refusal, port=port)
-        else:
-            # SOCKS5, transparent, or anything else that reached a dial.
-            decision = await decide(rules, Destination(host=host, port=port), live.resolver)
-            if decision.allowed:
-                self._tunnel_hosts[server.id] = Verdict(host, port, decision, profile, time.time())
-                server.address = (decision.address, port)  # pin
-                return
-        server.error = f"{decision.refusal.reason.value}: {decision.refusal.message}"
-        self._audit_refusal(data.client, host, port, decision, profile)
+            self._refuse_dial(data, host, port, Decision(False, None, client.refusal, port=port), None)
+            return
+        # SOCKS5, transparent, or anything else that reached a dial.
+        decision = await decide(client.rules, Destination(host=host, port=port), live.resolver)
+        if not decision.allowed:
+            self._refuse_dial(data, host, port, decision, client.profile)
+            return
+        intercept = _intercepts(client.rules, host)
+        verdict = Verdict(host, port, decision, client.profile, client.rules, intercept=intercept)
+        self._remember_tunnel(data.client, server, verdict)
+        server.address = (decision.address, port)  # pin
+        if intercept and isinstance(decision.host, NameHost):
+            server.sni = decision.host.name
+        self.caps.watch_client(data.client, client.rules)
+        self.caps.watch_connect(data.client, server, client.rules.limits)
 
-    def server_disconnected(self, data: ServerConnectionHookData) -> None:
-        self._tunnel_hosts.pop(data.server.id, None)
+    def _refuse_dial(self, data: ServerConnectionHookData, host: str, port: int, decision: Decision, profile: str | None) -> None:
+        data.server.error = f"{decision.refusal.reason.value}: {decision.refusal.message}"
+        self.audit.refused_connection(data.client, host, port, decision, profile)
+
+    def _remember_tunnel(self, client: connection.Client, server: connection.Server, verdict: Verdict) -> None:
+        self._tunnels[server.id] = verdict
+        self._client_tunnels.setdefault(client.id, []).append(server.id)
 
     def client_disconnected(self, client: connection.Client) -> None:
         self._approved.pop(client.id, None)
+        for server_id in self._client_tunnels.pop(client.id, ()):
+            self._tunnels.pop(server_id, None)
+
+    # ---- what runs inside a tunnel ---------------------------------------
 
     def next_layer(self, nextlayer: layer.NextLayer) -> None:
-        """Carry tunnel contents (after CONNECT, SOCKS5, transparent) as raw TCP:
-        validated and pinned, never TLS-intercepted unless the policy says so."""
+        """Carry tunnel contents (after CONNECT, SOCKS5, transparent) as raw TCP,
+        unless the tunnel's host is intercepted."""
         context = nextlayer.context
         if context.client.transport_protocol != "tcp" or isinstance(nextlayer.layer, layers.TCPLayer):
             return
         # An addon that decided before us (mitmproxy's own NextLayer) has
         # already pushed its layers onto the stack; look at the stack below them.
         stack = context.layers
-        cut = len(stack)
-        if nextlayer.layer is not None and nextlayer.layer in stack:
-            cut = stack.index(nextlayer.layer)
+        cut = stack.index(nextlayer.layer) if nextlayer.layer is not None and nextlayer.layer in stack else len(stack)
         below = stack[:cut]
         if not below:
             return
@@ -183,88 +196,56 @@ class EgressGate:
             return  # the proxy's own HTTP front door
         if any(isinstance(l, (layers.ServerTLSLayer, layers.ClientTLSLayer)) for l in below):
             return  # already inside an intercepted TLS session
+        tunnel = self._tunnels.get(context.server.id)
+        if tunnel is not None and tunnel.intercept:
+            return  # mitmproxy's own choice: TLS interception, then HTTP
         del stack[cut:]
         nextlayer.layer = layers.TCPLayer(context, ignore=False)
 
-    # ---- audit ---------------------------------------------------------
-
-    def response(self, flow: http.HTTPFlow) -> None:
-        self._audit_http(flow, "request")
-
-    def error(self, flow: http.HTTPFlow) -> None:
-        self._audit_http(flow, "request")
-
-    def http_connect_error(self, flow: http.HTTPFlow) -> None:
-        self._audit_http(flow, "connect")
-
     def tcp_start(self, flow: tcp.TCPFlow) -> None:
-        flow.metadata["sluice_bytes"] = [0, 0]  # [from client, from server]
-
-    def tcp_message(self, flow: tcp.TCPFlow) -> None:
-        counts = flow.metadata.setdefault("sluice_bytes", [0, 0])
-        message = flow.messages[-1]
-        counts[0 if message.from_client else 1] += len(message.content)
-        flow.messages.clear()  # keep memory flat however long the tunnel runs
-
-    def tcp_end(self, flow: tcp.TCPFlow) -> None:
-        self._audit_tunnel(flow)
-
-    def tcp_error(self, flow: tcp.TCPFlow) -> None:
-        self._audit_tunnel(flow)
-
-    def _audit_http(self, flow: http.HTTPFlow, event: str) -> None:
-        verdict: Verdict | None = flow.metadata.get(META)
-        if verdict is None or flow.metadata.get("sluice_logged"):
-            return
-        flow.metadata["sluice_logged"] = True
-        d = verdict.decision
-        response = flow.response
-        refusal = d.refusal
-        self.audit.write(
-            event="connect" if flow.request.method == "CONNECT" else event,
-            id=flow.id, client=_peer(flow.client_conn), profile=verdict.profile,
-            method=flow.request.method, scheme=None if flow.request.method == "CONNECT" else flow.request.scheme,
-            host=str(d.host) if d.host else verdict.host, port=verdict.port, address=d.address,
-            decision="allow" if d.allowed else "refuse",
-            reason=refusal.reason.value if refusal else (d.would_refuse.reason.value if d.would_refuse else None),
-            would_refuse=True if d.would_refuse else None,
-            rule=(refusal.rule if refusal else (d.would_refuse.rule if d.would_refuse else (d.rule.origin if d.rule else None))),
-            status=response.status_code if response else None,
-            bytes_out=len(flow.request.raw_content or b""),
-            bytes_in=len(response.raw_content or b"") if response else 0,
-            duration=round(time.time() - verdict.started, 4),
-            detail=refusal.detail if refusal else (flow.error.msg if flow.error else None),
-        )
-
-    def _audit_tunnel(self, flow: tcp.TCPFlow) -> None:
-        if flow.metadata.get("sluice_logged"):
-            return
-        flow.metadata["sluice_logged"] = True
-        verdict = self._tunnel_hosts.get(flow.server_conn.id)
-        counts = flow.metadata.get("sluice_bytes", [0, 0])
-        address = flow.server_conn.peername[0] if flow.server_conn.peername else (flow.server_conn.address or (None,))[0]
-        self.audit.write(
-            event="tunnel", id=flow.id, client=_peer(flow.client_conn),
-            profile=verdict.profile if verdict else None,
-            host=str(verdict.decision.host) if verdict else address,
-            port=flow.server_conn.address[1] if flow.server_conn.address else None,
-            address=address, decision="allow",
-            bytes_out=counts[0], bytes_in=counts[1],
-            duration=round(time.time() - flow.timestamp_created, 4) if hasattr(flow, "timestamp_created") else None,
-            detail=flow.error.msg if flow.error else None,
-        )
-
-    def _audit_refusal(self, client: connection.Client, host: str, port: int, decision: Decision, profile: str | None) -> None:
-        refusal = decision.refusal
-        self.audit.write(
-            event="connect", client=_peer(client), profile=profile,
-            host=str(decision.host) if decision.host else host, port=port,
-            decision="refuse", reason=refusal.reason.value, rule=refusal.rule, detail=refusal.detail,
-        )
+        tunnel = self._tunnels.get(flow.server_conn.id)
+        if tunnel is not None:
+            # A fresh verdict per tunnel flow, so byte counts are its own.
+            flow.metadata[META] = Verdict(tunnel.host, tunnel.port, tunnel.decision, tunnel.profile, tunnel.rules)
 
 
-def _peer(conn: connection.Client) -> str | None:
-    if not conn.peername:
-        return None
-    host, port = conn.peername[:2]
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+def _intercepts(rules: Rules, host_text: str) -> bool:
+    if not rules.intercept:
+        return False
+    try:
+        return rules.intercept.match_host(parse_host(host_text)) is not None
+    except HostError:
+        return False
+
+
+def _same_host(a: str, b: str) -> bool:
+    try:
+        return parse_host(a) == parse_host(b)
+    except HostError:
+        return False
+
+
+def _fronting(tunnel: Verdict, host_header: str | None, sni: str | None) -> Refusal | None:
+    """Domain fronting inside an intercepted tunnel: a Host header or SNI that
+    names another host than the CONNECT target."""
+    if sni and not _same_host(sni, tunnel.host):
+        return Refusal(Reason.HOST_MISMATCH, f"the TLS server name {sni!r} is not the tunnel's host {tunnel.host}")
+    if host_header:
+        try:
+            named, _ = mitm_url.parse_authority(host_header, check=True)
+        except ValueError:
+            named = host_header
+        if not _same_host(named, tunnel.host):
+            return Refusal(Reason.HOST_MISMATCH, f"the Host header {host_header!r} is not the tunnel's host {tunnel.host}")
+    return None
+
+
+def _strip_headers(request: http.Request, extra: frozenset[str]) -> None:
+    connection_tokens = [t.strip() for t in request.headers.get("Connection", "").split(",") if t.strip()]
+    for token in connection_tokens:
+        if token.lower() not in ("close", "keep-alive", "upgrade"):
+            request.headers.pop(token, None)
+    for name in HOP_BY_HOP:
+        request.headers.pop(name, None)
+    for name in extra:
+        request.headers.pop(name, None)

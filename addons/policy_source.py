@@ -28,6 +28,7 @@ from policy.loader import PolicyInvalid, read_policy_file
 from policy.model import Policy
 
 logger = logging.getLogger("sluice.policy")
+DEFAULT_POLICY = "config/policy.yaml"
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,14 +48,17 @@ class PolicySource:
         self._missing_reported = False
 
     def load(self, loader) -> None:
-        loader.add_option("sluice_policy", str, "config/policy.yaml", "Path of Sluice's YAML egress policy.")
+        loader.add_option(
+            "sluice_policy", str, "",
+            f"Path of Sluice's YAML egress policy (unset: {DEFAULT_POLICY}).",
+        )
         loader.add_option(
             "sluice_policy_poll", float, 1.0,
             "Seconds between checks of the policy file for changes (0 disables; SIGHUP always reloads).",
         )
 
     def configure(self, updated) -> None:
-        if "sluice_policy" in updated:
+        if "sluice_policy" in updated and ctx.options.sluice_policy:
             path = ctx.options.sluice_policy
             try:
                 policy, digest = self._read(path)
@@ -64,6 +68,14 @@ class PolicySource:
             self._last_seen = _signature(path)
 
     def running(self) -> None:
+        if self.current is None:
+            # Never run without a policy: fall back to the default file, or stop.
+            try:
+                ctx.options.update(sluice_policy=DEFAULT_POLICY)
+            except exceptions.OptionsError as e:
+                logger.error(f"sluice: no usable policy ({e}); stopping")
+                ctx.master.shutdown()
+                return
         try:
             asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, self.reload)
         except (NotImplementedError, RuntimeError, ValueError):
@@ -90,6 +102,8 @@ class PolicySource:
     def reload(self) -> bool:
         """Validate the file and swap it in; keep the last good policy on any failure."""
         path = ctx.options.sluice_policy
+        if not path:
+            return False
         if not os.path.exists(path):
             if not self._missing_reported:
                 logger.warning(f"{path}: the policy file is gone; keeping the last good policy")

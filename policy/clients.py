@@ -39,6 +39,16 @@ def verify_password(verifier: str, password: str) -> bool:
     return hmac.compare_digest(digest.hex(), expected)
 
 
+def _source_address(source: str) -> netaddr.IPAddress:
+    """The client's address as its profile CIDRs are written: a dual-stack
+    listener reports IPv4 clients as ::ffff:a.b.c.d, and a link-local peer
+    may carry a zone id (fe80::1%eth0)."""
+    ip = netaddr.IPAddress(source.split("%", 1)[0])
+    if ip.version == 6 and ip.is_ipv4_mapped():
+        ip = ip.ipv4()
+    return ip
+
+
 def _profile_for_user(policy: Policy, username: str) -> tuple[ClientProfile, str] | None:
     for profile in policy.clients:
         for user, verifier in profile.credentials:
@@ -63,10 +73,10 @@ def match_client(
         return ClientMatch(found[0].rules, found[0].name)
     if source is not None:
         best: tuple[int, ClientProfile] | None = None
+        ip = _source_address(source)
         for profile in policy.clients:
             if not profile.sources:
                 continue
-            ip = netaddr.IPAddress(source)
             entry = profile.sources.match_entry(int(ip), ip.version)
             if entry is not None and (best is None or entry.prefixlen > best[0]):
                 best = (entry.prefixlen, profile)

@@ -13,8 +13,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import netaddr
+
 from policy.hosts import Host, HostError, IPHost, NameHost, internal_name, parse_host
-from policy.matchers import Rule
+from policy.matchers import AddressEntry, Rule
 from policy.model import Rules
 from policy.ranges import classify
 from policy.reasons import Reason, Refusal
@@ -130,14 +132,14 @@ def _check_addresses(
     reason = Reason.ADDRESS_NOT_PUBLIC if literal else Reason.DNS_ANSWER_NOT_PUBLIC
     rule = allow_rule
     for address in addresses:
-        opened = rules.private_networks.match_address(address, port)
+        opened = _opened(rules, address, port)
         non_public = classify(address)
         if non_public is not None and opened is None:
             what = address if literal else f"{host} resolves to {address}, which"
             return _refuse(reason, f"{what} is {non_public.name} ({non_public.cidr}); only public internet addresses are reachable",
                            host, addresses=addresses, port=port)
-        if opened is not None:
-            rule = rule or opened
+        if opened is not None and (opened.port is not None or port in rules.ports):
+            rule = rule or opened.rule
         elif port not in rules.ports:
             return _refuse(Reason.PORT_NOT_ALLOWED, f"port {port} is not allowed (allowed ports: {_ports(rules)})",
                            host, addresses=addresses, port=port)
@@ -147,6 +149,26 @@ def _check_addresses(
     if soft is not None and rules.action != "report":
         return Decision(False, host, soft, None, addresses=addresses, port=port)
     return Decision(True, host, None, soft, address=_pick(addresses), addresses=addresses, rule=rule, port=port)
+
+
+def _opened(rules: Rules, address: str, port: int) -> AddressEntry | None:
+    """The private_networks entry that opens this address on this port, if any.
+    An entry without a port opens the address on the policy's `ports` only;
+    one with a port opens that port (checked by the caller)."""
+    if not rules.private_networks:
+        return None
+    ip = netaddr.IPAddress(address)
+    value, version = int(ip), ip.version
+    entry = rules.private_networks.match_entry(value, version, port)
+    if entry is None or entry.port is not None or port in rules.ports:
+        return entry
+    # The most specific entry has no port and this port is not in `ports`: a
+    # less specific entry may still name this very port (rare; a short scan).
+    bits = 32 if version == 4 else 128
+    for e in rules.private_networks.entries:
+        if e.version == version and e.port == port and value >> (bits - e.prefixlen) == e.network:
+            return e
+    return entry
 
 
 def _pick(addresses: tuple[str, ...]) -> str:

@@ -67,7 +67,7 @@ _METHOD = re.compile(r"^[A-Z][A-Z-]{0,31}$")
 _HEADER = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")
 
 
-def parse_duration(value: object) -> float:
+def parse_duration(value: object, *, allow_zero: bool = False) -> float:
     if isinstance(value, bool):
         raise ValueError("expected a duration like '20s', '500ms' or '2m'")
     if isinstance(value, (int, float)):
@@ -77,7 +77,7 @@ def parse_duration(value: object) -> float:
         if not m:
             raise ValueError(f"{value!r} is not a duration (write e.g. '20s', '500ms', '2m')")
         seconds = float(m.group(1)) * _DURATION_UNITS[m.group(2)]
-    if seconds <= 0:
+    if seconds < 0 or (seconds == 0 and not allow_zero):
         raise ValueError("a duration must be greater than zero")
     return seconds
 
@@ -139,7 +139,10 @@ class _Reader:
     def scalar(self, node: yaml.Node) -> Any:
         if not isinstance(node, yaml.ScalarNode):
             return _NOT_SCALAR
-        return self._constructor.construct_object(node, deep=True)
+        try:
+            return self._constructor.construct_object(node, deep=True)
+        except (yaml.YAMLError, ValueError, TypeError, OverflowError):
+            return _NOT_SCALAR  # reported by _scan before the reader runs
 
     def mapping(self, node: yaml.Node, allowed: tuple[str, ...], what: str) -> dict[str, tuple[yaml.Node, yaml.Node]]:
         if not isinstance(node, yaml.MappingNode):
@@ -177,8 +180,11 @@ class _Reader:
         seen: dict[tuple[str, str], int] = {}
         for item in self.sequence(node, what):
             text = self.scalar(item)
+            if text is _NOT_SCALAR:
+                self.problem(item, f"in {what}: each entry must be a host pattern string such as 'example.com'")
+                continue
             try:
-                key = parse_host_pattern(text if text is not _NOT_SCALAR else None)
+                key = parse_host_pattern(text)
             except PatternError as e:
                 self.problem(item, f"in {what}: {e}")
                 continue
@@ -220,12 +226,13 @@ class _Reader:
             out.add(value.upper())
         return frozenset(out)
 
-    def private_networks(self, node: yaml.Node) -> AddressSet:
+    def private_networks(self, node: yaml.Node, what: str = "private_networks") -> AddressSet:
         entries = []
-        for item in self.sequence(node, "private_networks"):
+        for item in self.sequence(node, what):
             value = self.scalar(item)
             if not isinstance(value, str):
-                self.problem(item, f"private_networks: {value!r} must be a CIDR string such as '10.0.0.5/32' or '10.0.0.5/32:8080'")
+                shown = "this entry" if value is _NOT_SCALAR else repr(value)
+                self.problem(item, f"{what}: {shown} must be a CIDR string such as '10.0.0.5/32' or '10.0.0.5/32:8080'")
                 continue
             cidr, port = _split_cidr_port(value)
             try:
@@ -233,7 +240,7 @@ class _Reader:
                     raise PatternError(f"{value!r} has an invalid port {port!r}")
                 entries.append(AddressSet.entry(cidr, int(port) if port else None, self.origin(item), value))
             except PatternError as e:
-                self.problem(item, f"private_networks: {e}")
+                self.problem(item, f"{what}: {e}")
         return AddressSet(tuple(entries))
 
     def headers(self, node: yaml.Node) -> frozenset[str]:
@@ -250,6 +257,9 @@ class _Reader:
         changes: dict[str, Any] = {}
         for key, (key_node, value_node) in self.mapping(node, LIMIT_KEYS, "limits").items():
             value = self.scalar(value_node)
+            if value is _NOT_SCALAR:
+                self.problem(value_node, f"limits.{key} must be a single value, not a list or mapping")
+                continue
             if value is None and key in OPTIONAL_LIMITS:
                 changes[key] = None
                 continue
@@ -271,9 +281,11 @@ class _Reader:
                     except ValueError as e:
                         self.problem(item, f"dns.nameservers: {e}")
                 changes[key] = tuple(servers)
+            elif not isinstance(value_node, yaml.ScalarNode):
+                self.problem(value_node, f"dns.{key} must be a single value, not a list or mapping")
             else:
                 try:
-                    changes[key] = parse_duration(self.scalar(value_node))
+                    changes[key] = parse_duration(self.scalar(value_node), allow_zero=key == "min_ttl")
                 except ValueError as e:
                     self.problem(value_node, f"dns.{key}: {e}")
         settings = replace(DnsSettings(), **changes)
@@ -349,7 +361,7 @@ class _Reader:
                     verifier = self._verifier(user, spec_node)
                     if verifier:
                         credentials.append((user, verifier))
-            sources = self.private_networks(keys["sources"][1]) if "sources" in keys else AddressSet()
+            sources = self.private_networks(keys["sources"][1], "sources") if "sources" in keys else AddressSet()
             if "users" not in keys and "sources" not in keys:
                 self.problem(item, f"client profile {name!r} matches nobody: give it `users` or `sources`")
             rule_keys = {k: v for k, v in keys.items() if k in RULE_KEYS}
@@ -460,22 +472,51 @@ def _nameserver(text: object) -> tuple[str, int]:
     return host, port
 
 
-def _count_nodes(root: yaml.Node) -> int:
-    """Nodes as a constructor would expand them (aliases counted each time)."""
+_YAML = "tag:yaml.org,2002:"
+# Tags a policy may carry. Everything else (!!python/..., !!binary, !!set,
+# application tags like !foo, the << merge key) is refused, never constructed.
+_SAFE_TAGS = frozenset(_YAML + t for t in ("null", "bool", "int", "float", "str", "seq", "map", "timestamp"))
+# Scalars whose construction can fail (explicit `!!int abc`, a date like 2001-13-45).
+_CHECKED_SCALARS = frozenset(_YAML + t for t in ("null", "bool", "int", "float", "timestamp"))
+
+
+def _scan(root: yaml.Node, file: str) -> list[Problem]:
+    """Walk the node tree as a constructor would expand it (aliases counted
+    each time, so an alias bomb stops at MAX_NODES) and refuse unsafe tags and
+    scalars that cannot be constructed, before any value is read."""
+    problems: list[Problem] = []
+    checker = yaml.SafeLoader("")
+    seen: set[int] = set()  # report each node once, however often it is aliased
     count = 0
     stack = [root]
     while stack:
         node = stack.pop()
         count += 1
         if count > MAX_NODES:
-            return count
+            return [Problem(file, 1, 1, f"the policy expands to more than {MAX_NODES} YAML nodes (an alias bomb?); refusing it")]
+        if id(node) not in seen:
+            seen.add(id(node))
+            mark = node.start_mark
+            if node.tag not in _SAFE_TAGS:
+                if node.tag == _YAML + "merge":
+                    message = "YAML merge keys (<<) are not supported; write the keys out"
+                else:
+                    tag = "!!" + node.tag[len(_YAML):] if node.tag.startswith(_YAML) else node.tag
+                    message = f"the YAML tag {tag!r} is not allowed in a policy"
+                problems.append(Problem(file, mark.line + 1, mark.column + 1, message))
+            elif node.tag in _CHECKED_SCALARS and isinstance(node, yaml.ScalarNode):
+                try:
+                    checker.yaml_constructors[node.tag](checker, node)
+                except (yaml.YAMLError, ValueError, TypeError, OverflowError) as e:
+                    kind = node.tag[len(_YAML):]
+                    problems.append(Problem(file, mark.line + 1, mark.column + 1, f"{node.value!r} is not a valid {kind} ({e})"))
         if isinstance(node, yaml.SequenceNode):
             stack.extend(node.value)
         elif isinstance(node, yaml.MappingNode):
             for k, v in node.value:
                 stack.append(k)
                 stack.append(v)
-    return count
+    return problems
 
 
 def load_policy_text(text: str, file: str = "<policy>", read_secret: Callable[[str], str] | None = None) -> Policy:
@@ -491,10 +532,13 @@ def load_policy_text(text: str, file: str = "<policy>", read_secret: Callable[[s
         raise PolicyInvalid([Problem(file, line, col, f"YAML syntax: {e.problem or e.context}")]) from None
     except yaml.YAMLError as e:
         raise PolicyInvalid([Problem(file, 1, 1, f"YAML: {e}")]) from None
+    except RecursionError:
+        raise PolicyInvalid([Problem(file, 1, 1, "the policy nests lists or mappings too deeply; refusing it")]) from None
     if root is None:
         raise PolicyInvalid([Problem(file, 1, 1, "the policy is empty; it needs at least `version: 1`")])
-    if _count_nodes(root) > MAX_NODES:
-        raise PolicyInvalid([Problem(file, 1, 1, f"the policy expands to more than {MAX_NODES} YAML nodes (an alias bomb?); refusing it")])
+    problems = _scan(root, file)
+    if problems:
+        raise PolicyInvalid(sorted(problems, key=lambda p: (p.line, p.col)))
 
     keys = reader.mapping(root, TOP_KEYS, "the policy")
     if "version" not in keys:
@@ -502,7 +546,7 @@ def load_policy_text(text: str, file: str = "<policy>", read_secret: Callable[[s
             reader.problem(root, "the policy needs `version: 1` at the top")
     else:
         version = reader.scalar(keys["version"][1])
-        if version != 1:
+        if isinstance(version, bool) or not isinstance(version, int) or version != 1:
             reader.problem(keys["version"][1], f"unsupported policy version {version!r}; this Sluice reads version 1")
     rule_keys = {k: v for k, v in keys.items() if k in RULE_KEYS}
     top = reader.rules(rule_keys, Rules())

@@ -19,10 +19,47 @@ def _parser() -> argparse.ArgumentParser:
     proxy.add_argument("--set", action="append", default=[], metavar="NAME=VALUE", dest="sets",
                        help="set any mitmproxy option, repeatable")
 
-    policy = sub.add_parser("policy", help="check, explain and test policies")
+    policy = sub.add_parser(
+        "policy", help="check, explain and test policies",
+        description="Exit codes: 0 OK/allowed/all passed, 1 invalid policy or cases file or a failed case, "
+                    "2 usage error, 3 refused (explain).",
+    )
     psub = policy.add_subparsers(dest="policy_command", required=True, metavar="SUBCOMMAND")
-    check = psub.add_parser("check", help="validate a policy and summarise what it allows")
+    check = psub.add_parser("check", help="validate a policy and summarise what it allows",
+                            description="Print every problem as FILE:LINE:COL: message (exit 1), or a summary (exit 0).")
     check.add_argument("file")
+
+    explain = psub.add_parser(
+        "explain", help="show what the policy decides for one URL, as JSON",
+        description="Decide one request the way the proxy would and print the decision as JSON "
+                    "(decision, reason, rule, profile, host, port, addresses, address, message). "
+                    "Exit 0 allowed, 3 refused, 2 usage error, 1 invalid policy. Names are resolved "
+                    "with the policy's DNS settings unless --resolve is given, in which case only the "
+                    "--resolve table is used and any other name is unresolvable.",
+    )
+    explain.add_argument("--policy", required=True, metavar="FILE", help="policy YAML")
+    explain.add_argument("--client", metavar="NAME", help="decide as the client profile NAME (default: a client matching no profile)")
+    explain.add_argument("--method", metavar="M", help="HTTP method (default: GET)")
+    explain.add_argument("--resolve", action="append", default=[], metavar="HOST=IP",
+                         help="answer DNS for HOST with IP instead of querying; repeat (or HOST=IP1,IP2) for several answers")
+    explain.add_argument("url", metavar="URL")
+
+    test = psub.add_parser(
+        "test", help="run a YAML list of expected decisions against a policy",
+        description="CASES is a YAML list of {url, client?, method?, resolve?: {host: ip | [ips]}, "
+                    "expect: allow|refuse, reason?, name?}. Cases never query DNS: a name a case does not "
+                    "list under `resolve` is unresolvable (dns_failed). Prints one line per failure and "
+                    "'N passed, M failed'; exit 0 if all pass, 1 otherwise.",
+    )
+    test.add_argument("file", metavar="FILE", help="policy YAML")
+    test.add_argument("cases", metavar="CASES", help="cases YAML")
+    test.add_argument("-v", "--verbose", action="store_true", help="also print a line for every passing case")
+
+    psub.add_parser(
+        "hash-password", help="print a password_hash verifier for a password read from stdin",
+        description="Read a password from stdin (one trailing newline is dropped), or prompt for it twice "
+                    "on a terminal, and print the verifier to put under users: NAME: password_hash:.",
+    )
     return p
 
 

@@ -1,17 +1,82 @@
-"""`sluice policy check|explain|test|hash-password`."""
+"""`sluice policy check|explain|test|hash-password`.
+
+Exit codes, for every subcommand:
+
+    0  OK / allowed / every case passed
+    1  the policy (or the cases file) is invalid, or a test case failed
+    2  usage error: a bad URL, --resolve, --client or --method (one line, never a traceback)
+    3  `explain` only: the request would be refused
+
+`explain` and `test` decide through the same `addons.resolver.decide()` the
+proxy's gate uses, so what they print is what the proxy would do.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import difflib
+import getpass
+import json
+import re
+import socket
 import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
-from policy.loader import PolicyInvalid, load_policy_file
-from policy.model import Policy, Rules
+import yaml
+
+from addons.resolver import DnsFailure, PinnedResolver, Resolution, StaticResolver, decide
+from policy.clients import match_client
+from policy.decide import Decision, Destination
+from policy.hosts import HostError, IPHost, internal_name, parse_host
+from policy.loader import MAX_POLICY_BYTES, PolicyInvalid, Problem, _scan, hash_password, load_policy_file
+from policy.model import DnsSettings, Policy, Rules
+from policy.reasons import Reason
+
+EXIT_OK = 0
+EXIT_INVALID = 1  # invalid policy or cases file; failed test cases
+EXIT_USAGE = 2
+EXIT_REFUSED = 3
+
+
+class UsageError(ValueError):
+    """A one-line message for the user; exit 2."""
 
 
 def dispatch(args) -> int:
-    if args.policy_command == "check":
+    command = args.policy_command
+    if command == "check":
         return check(args.file)
-    return 2
+    if command == "explain":
+        return explain(args.policy, args.url, client=args.client, method=args.method, resolve=args.resolve)
+    if command == "test":
+        return test(args.file, args.cases, verbose=args.verbose)
+    if command == "hash-password":
+        return hash_password_command()
+    return EXIT_USAGE
+
+
+def _usage(command: str, message: str) -> int:
+    print(f"sluice policy {command}: error: {message}", file=sys.stderr)
+    return EXIT_USAGE
+
+
+def _load(path: str) -> Policy | None:
+    """The policy, or None after printing every problem as FILE:LINE:COL: message."""
+    try:
+        return load_policy_file(path)
+    except PolicyInvalid as e:
+        problems = e.problems
+    except Exception as e:  # a loader bug must still not print a traceback at the user
+        problems = [Problem(path, 1, 1, f"cannot load the policy ({type(e).__name__}: {e}); please report this")]
+    for problem in problems:
+        print(problem, file=sys.stderr)
+    print(f"{path}: {len(problems)} problem(s)", file=sys.stderr)
+    return None
+
+
+# ---- check -----------------------------------------------------------------
 
 
 def summarise(policy: Policy) -> list[str]:
@@ -33,10 +98,19 @@ def summarise(policy: Policy) -> list[str]:
 
 
 def _rules_lines(rules: Rules, indent: str) -> list[str]:
-    hosts = "any public host" if rules.allow is None else f"{len(rules.allow)} allowed host pattern(s)"
+    if rules.allow is None or rules.allow.everything:
+        hosts = "any public host"
+        internal = sorted(name for name in (rules.allow.exact if rules.allow else ()) if internal_name(name))
+        if internal:
+            hosts += f" and the internal name(s) {', '.join(internal)}"
+    else:
+        hosts = f"{len(rules.allow)} allowed host pattern(s)"
+    hosts += f" on ports {', '.join(map(str, sorted(rules.ports)))}"
     if rules.deny:
         hosts += f", except {len(rules.deny)} denied pattern(s)"
-    out = [f"{indent}reaches {hosts} on ports {', '.join(map(str, sorted(rules.ports)))}"]
+    out = [f"{indent}reaches {hosts}"]
+    if rules.action == "report":
+        out.append(f"{indent}report mode: host and method refusals are logged, not enforced")
     out.append(f"{indent}methods: {', '.join(sorted(rules.methods))}")
     if rules.private_networks:
         out.append(f"{indent}private networks opened: {', '.join(e.rule.text for e in rules.private_networks.entries)}")
@@ -46,12 +120,484 @@ def _rules_lines(rules: Rules, indent: str) -> list[str]:
 
 
 def check(path: str) -> int:
+    policy = _load(path)
+    if policy is None:
+        return EXIT_INVALID
+    print("\n".join(summarise(policy)))
+    return EXIT_OK
+
+
+# ---- URLs, --resolve, --method ---------------------------------------------
+
+_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*):")
+_PORT_LIKE = re.compile(r"^[0-9]+(?:[/?#]|$)")
+_DIGITS = re.compile(r"^[0-9]+$")
+_METHOD = re.compile(r"^[A-Za-z][A-Za-z-]{0,31}$")
+DEFAULT_PORTS = {"http": 80, "https": 443, "ws": 80, "wss": 443, "ftp": 21, "gopher": 70}
+# Schemes whose URLs treat a backslash like a slash (WHATWG "special"
+# schemes; urllib3 parses the same way), so `http://a.example\@b.example/`
+# connects to a.example.
+_SPECIAL = frozenset({"http", "https", "ws", "wss", "ftp"})
+
+
+def parse_method(method: str | None) -> str:
+    if method is None:
+        return "GET"
+    if not _METHOD.match(method):
+        raise UsageError(f"{method!r} is not an HTTP method")
+    return method.upper()
+
+
+def parse_url(url: str, method: str = "GET") -> Destination:
+    """A URL as the proxy would see it, as a Destination for decide().
+
+    Deliberately not normalised: the host is the raw text between the last
+    '@' and the port, so every odd spelling (0x7f.1, [::1], full-width
+    letters, percent-encoding) reaches policy.hosts.parse_host untouched.
+    Raises UsageError for text that is not a URL at all."""
+    if not url:
+        raise UsageError("the URL is empty")
+    if any(ord(c) < 0x21 or ord(c) == 0x7F for c in url):
+        raise UsageError(f"{url!r} contains whitespace or control characters")
+    m = _SCHEME.match(url)
+    if not m or _PORT_LIKE.match(url[m.end():]):
+        raise UsageError(f"{url!r} is not an absolute URL; write it as http://host/path or https://host/path")
+    scheme = m.group(1)
+    lower = scheme.lower()
+    rest = url[m.end():]
+    if not rest.startswith("//"):
+        if lower in ("http", "https"):
+            raise UsageError(f"{url!r} has no //host after {scheme}:")
+        # mailto:, data:, javascript: ... refused by the policy (scheme_not_allowed)
+        return Destination(host="", port=DEFAULT_PORTS.get(lower, 0), scheme=scheme, method=method)
+    after = rest[2:]
+    delimiters = "/?#\\" if lower in _SPECIAL else "/?#"
+    end = next((i for i, c in enumerate(after) if c in delimiters), len(after))
+    netloc = after[:end]
+    has_credentials = "@" in netloc
+    hostport = netloc.rpartition("@")[2]
+    if hostport.startswith("["):
+        close = hostport.find("]")
+        if close < 0:
+            raise UsageError(f"{url!r} has an unclosed '[' in its host")
+        host, tail = hostport[: close + 1], hostport[close + 1 :]
+        if tail and not tail.startswith(":"):
+            raise UsageError(f"{url!r} has text after ']' that is not a :port")
+        port_text = tail[1:] if tail else ""
+    else:
+        if hostport.count(":") > 1:
+            raise UsageError(f"{url!r}: an IPv6 address in a URL must be in brackets, e.g. http://[2001:db8::1]/")
+        host, _, port_text = hostport.partition(":")
+    if port_text:
+        if not _DIGITS.match(port_text):
+            raise UsageError(f"{url!r} has an invalid port {port_text!r}")
+        port = int(port_text)
+    else:
+        port = DEFAULT_PORTS.get(lower, 0)
+    if not host and lower in ("http", "https"):
+        raise UsageError(f"{url!r} has no host")
+    return Destination(host=host, port=port, scheme=scheme, method=method, has_credentials=has_credentials)
+
+
+def resolve_name(text: str) -> str:
+    """A --resolve / `resolve:` host, normalised as the policy normalises hosts."""
     try:
-        policy = load_policy_file(path)
+        host = parse_host(text)
+    except HostError as e:
+        raise UsageError(str(e)) from None
+    if isinstance(host, IPHost):
+        raise UsageError(f"{text!r} is an IP address; only names are resolved")
+    return host.name
+
+
+def canonical_ip(text: str) -> str:
+    """One DNS answer: a plain IPv4 or IPv6 address, in canonical text."""
+    raw = text.strip()
+    if raw.startswith("[") and raw.endswith("]"):
+        raw = raw[1:-1]
+    for family in (socket.AF_INET, socket.AF_INET6):
+        try:
+            return socket.inet_ntop(family, socket.inet_pton(family, raw))
+        except (OSError, ValueError):
+            continue
+    raise UsageError(f"{text!r} is not an IP address (a DNS answer is a plain IPv4 or IPv6 address)")
+
+
+def parse_resolve(items: list[str]) -> dict[str, list[str]]:
+    """--resolve HOST=IP[,IP...], repeatable; several answers per name add up."""
+    table: dict[str, list[str]] = {}
+    for item in items:
+        name, sep, ips = item.partition("=")
+        if not sep or not name or not ips:
+            raise UsageError(f"--resolve {item!r}: expected HOST=IP (repeat it, or HOST=IP1,IP2, for several answers)")
+        key = resolve_name(name)
+        answers = table.setdefault(key, [])
+        for ip in ips.split(","):
+            address = canonical_ip(ip)
+            if address not in answers:
+                answers.append(address)
+    return table
+
+
+# ---- deciding --------------------------------------------------------------
+
+
+class LiveResolver:
+    """The policy's own DNS settings (PinnedResolver), failing closed on
+    anything unexpected (no resolv.conf, a resolver error) as dns_failed."""
+
+    def __init__(self, settings: DnsSettings) -> None:
+        self.settings = settings
+        self._resolver: PinnedResolver | None = None
+
+    async def resolve(self, name: str) -> Resolution:
+        try:
+            if self._resolver is None:
+                self._resolver = PinnedResolver(self.settings)
+            return await self._resolver.resolve(name)
+        except DnsFailure:
+            raise
+        except Exception as e:
+            raise DnsFailure(f"the DNS lookup of {name} failed ({type(e).__name__}: {e})") from None
+
+
+def find_profile(policy: Policy, name: str) -> Rules:
+    for profile in policy.clients:
+        if profile.name == name:
+            return profile.rules
+    known = [p.name for p in policy.clients]
+    if not known:
+        raise UsageError(f"the policy has no client profiles, so there is no {name!r}")
+    hint = difflib.get_close_matches(name, known, n=1)
+    more = f"did you mean {hint[0]!r}? " if hint else ""
+    raise UsageError(f"no client profile named {name!r}; {more}profiles: {', '.join(known)}")
+
+
+async def decide_for(policy: Policy, client: str | None, dest: Destination, resolver) -> tuple[Decision, str | None]:
+    """The decision the gate would make for this client (a profile by name,
+    or an unmatched client when None) and destination."""
+    if client is None:
+        match = match_client(policy, None)  # matched no profile: top level, or 407 under require_client
+        if match.refusal is not None:
+            return Decision(False, None, match.refusal, port=dest.port), None
+        return await decide(match.rules, dest, resolver), match.profile
+    return await decide(find_profile(policy, client), dest, resolver), client
+
+
+def decision_json(decision: Decision, profile: str | None, dest: Destination) -> dict[str, Any]:
+    refusal = decision.refusal or decision.would_refuse
+    if refusal is not None:
+        rule = refusal.rule
+    else:
+        rule = decision.rule.origin if decision.rule else None
+    host = decision.host
+    if host is None:
+        try:
+            host = parse_host(dest.host)
+        except HostError:
+            host = None
+    return {
+        "decision": "allow" if decision.allowed else "refuse",
+        "reason": refusal.reason.value if refusal else None,
+        "would_refuse": bool(decision.allowed and decision.would_refuse is not None),
+        "rule": rule,
+        "profile": profile,
+        "host": str(host) if host is not None else None,
+        "port": dest.port,
+        "addresses": list(decision.addresses),
+        "address": decision.address,
+        "status": decision.refusal.status if decision.refusal else None,
+        "detail": refusal.detail if refusal else None,
+        "message": decision.refusal.message if decision.refusal else None,
+    }
+
+
+# ---- explain ---------------------------------------------------------------
+
+
+def explain(policy_path: str, url: str, *, client: str | None = None, method: str | None = None,
+            resolve: list[str] | None = None) -> int:
+    try:
+        dest = parse_url(url, parse_method(method))
+        table = parse_resolve(resolve or [])
+    except UsageError as e:
+        return _usage("explain", str(e))
+    policy = _load(policy_path)
+    if policy is None:
+        return EXIT_INVALID
+    if client is not None:
+        try:
+            find_profile(policy, client)
+        except UsageError as e:
+            return _usage("explain", str(e))
+    resolver = StaticResolver(table) if resolve else LiveResolver(policy.dns)
+    decision, profile = asyncio.run(decide_for(policy, client, dest, resolver))
+    print(json.dumps(decision_json(decision, profile, dest), indent=2))
+    return EXIT_OK if decision.allowed else EXIT_REFUSED
+
+
+# ---- test ------------------------------------------------------------------
+
+CASE_KEYS = ("name", "url", "client", "method", "resolve", "expect", "reason")
+REASON_CODES = tuple(r.value for r in Reason)
+
+
+@dataclass(frozen=True, slots=True)
+class Case:
+    line: int
+    label: str
+    dest: Destination
+    client: str | None
+    resolve: dict[str, list[str]]
+    expect: str  # "allow" | "refuse"
+    reason: str | None
+
+
+class _CaseReader:
+    def __init__(self, file: str, policy: Policy) -> None:
+        self.file = file
+        self.policy = policy
+        self.problems: list[Problem] = []
+        self._constructor = yaml.SafeLoader("")
+
+    def problem(self, node: yaml.Node, message: str) -> None:
+        self.problems.append(Problem(self.file, node.start_mark.line + 1, node.start_mark.column + 1, message))
+
+    def scalar(self, node: yaml.Node) -> Any:
+        if not isinstance(node, yaml.ScalarNode):
+            return None
+        try:
+            return self._constructor.construct_object(node, deep=True)
+        except (yaml.YAMLError, ValueError, TypeError, OverflowError):
+            return None
+
+    def string(self, node: yaml.Node, key: str) -> str | None:
+        value = self.scalar(node)
+        if not isinstance(value, str) or not value:
+            self.problem(node, f"{key} must be a non-empty string")
+            return None
+        return value
+
+    def cases(self, root: yaml.Node) -> list[Case]:
+        if isinstance(root, yaml.ScalarNode) and root.tag == "tag:yaml.org,2002:null":
+            self.problem(root, "the cases file has no cases")
+            return []
+        if not isinstance(root, yaml.SequenceNode):
+            self.problem(root, "the cases file must be a list of cases (- url: ... expect: allow|refuse)")
+            return []
+        if not root.value:
+            self.problem(root, "the cases file has no cases")
+        out = []
+        for item in root.value:
+            case = self.case(item)
+            if case is not None:
+                out.append(case)
+        return out
+
+    def case(self, node: yaml.Node) -> Case | None:
+        if not isinstance(node, yaml.MappingNode):
+            self.problem(node, "each case must be a mapping: {url: ..., expect: allow|refuse}")
+            return None
+        before = len(self.problems)
+        keys: dict[str, tuple[yaml.Node, yaml.Node]] = {}
+        for key_node, value_node in node.value:
+            key = self.scalar(key_node)
+            if not isinstance(key, str):
+                self.problem(key_node, "keys in a case must be strings")
+            elif key in keys:
+                self.problem(key_node, f"{key!r} appears twice in this case")
+            elif key not in CASE_KEYS:
+                hint = difflib.get_close_matches(key, CASE_KEYS, n=1)
+                more = f"did you mean {hint[0]!r}?" if hint else f"known keys: {', '.join(CASE_KEYS)}"
+                self.problem(key_node, f"unknown key {key!r} in a case; {more}")
+            else:
+                keys[key] = (key_node, value_node)
+        for required in ("url", "expect"):
+            if required not in keys:
+                self.problem(node, f"this case has no `{required}`")
+
+        method = "GET"
+        if "method" in keys:
+            text = self.string(keys["method"][1], "method")
+            if text is not None:
+                try:
+                    method = parse_method(text)
+                except UsageError as e:
+                    self.problem(keys["method"][1], f"method: {e}")
+        dest = None
+        url = None
+        if "url" in keys:
+            url = self.string(keys["url"][1], "url")
+            if url is not None:
+                try:
+                    dest = parse_url(url, method)
+                except UsageError as e:
+                    self.problem(keys["url"][1], f"url: {e}")
+        client = None
+        if "client" in keys:
+            client = self.string(keys["client"][1], "client")
+            if client is not None:
+                try:
+                    find_profile(self.policy, client)
+                except UsageError as e:
+                    self.problem(keys["client"][1], f"client: {e}")
+        expect = None
+        if "expect" in keys:
+            expect = self.scalar(keys["expect"][1])
+            if expect not in ("allow", "refuse"):
+                self.problem(keys["expect"][1], f"expect must be 'allow' or 'refuse', not {expect!r}")
+        reason = None
+        if "reason" in keys:
+            reason = self.scalar(keys["reason"][1])
+            if reason not in REASON_CODES:
+                hint = difflib.get_close_matches(str(reason), REASON_CODES, n=1)
+                more = f"; did you mean {hint[0]!r}?" if hint else " (see policy/reasons.py for the codes)"
+                self.problem(keys["reason"][1], f"{reason!r} is not a reason code{more}")
+        table = self.resolve(keys["resolve"][1]) if "resolve" in keys else {}
+        label = None
+        if "name" in keys:
+            label = self.string(keys["name"][1], "name")
+        if len(self.problems) > before or dest is None:
+            return None
+        return Case(node.start_mark.line + 1, label or f"{method} {url}", dest, client, table, expect, reason)
+
+    def resolve(self, node: yaml.Node) -> dict[str, list[str]]:
+        if not isinstance(node, yaml.MappingNode):
+            self.problem(node, "resolve must map each host name to an IP address or a list of them")
+            return {}
+        table: dict[str, list[str]] = {}
+        for key_node, value_node in node.value:
+            host = self.scalar(key_node)
+            if not isinstance(host, str):
+                self.problem(key_node, "resolve: each key must be a host name")
+                continue
+            try:
+                name = resolve_name(host)
+            except UsageError as e:
+                self.problem(key_node, f"resolve: {e}")
+                continue
+            if name in table:
+                self.problem(key_node, f"resolve: {name!r} appears twice (list several answers under one key)")
+                continue
+            items = value_node.value if isinstance(value_node, yaml.SequenceNode) else [value_node]
+            if not items:
+                self.problem(value_node, f"resolve: {host!r} has no addresses (leave it out to make the name unresolvable)")
+            answers: list[str] = []
+            for item in items:
+                value = self.scalar(item)
+                if not isinstance(value, str):
+                    self.problem(item, f"resolve: {host!r} must map to an IP address string or a list of them")
+                    continue
+                try:
+                    address = canonical_ip(value)
+                except UsageError as e:
+                    self.problem(item, f"resolve: {e}")
+                    continue
+                if address not in answers:
+                    answers.append(address)
+            table[name] = answers
+        return table
+
+
+def load_cases(path: str, policy: Policy) -> list[Case]:
+    """Parse and validate a cases file; raise PolicyInvalid with every problem."""
+    p = Path(path)
+    try:
+        if p.stat().st_size > MAX_POLICY_BYTES:
+            raise PolicyInvalid([Problem(path, 1, 1, f"the cases file is over {MAX_POLICY_BYTES // 2**20} MiB; refusing to read it")])
+        text = p.read_bytes().decode("utf-8")
+    except OSError as e:
+        raise PolicyInvalid([Problem(path, 1, 1, f"cannot read the cases file: {e.strerror or e}")]) from None
+    except UnicodeDecodeError as e:
+        raise PolicyInvalid([Problem(path, 1, 1, f"the cases file is not UTF-8 text ({e.reason} at byte {e.start})")]) from None
+    try:
+        root = yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.MarkedYAMLError as e:
+        mark = e.problem_mark or e.context_mark
+        line, col = (mark.line + 1, mark.column + 1) if mark else (1, 1)
+        raise PolicyInvalid([Problem(path, line, col, f"YAML syntax: {e.problem or e.context}")]) from None
+    except yaml.YAMLError as e:
+        raise PolicyInvalid([Problem(path, 1, 1, f"YAML: {e}")]) from None
+    except RecursionError:
+        raise PolicyInvalid([Problem(path, 1, 1, "the cases file nests too deeply")]) from None
+    if root is None:
+        raise PolicyInvalid([Problem(path, 1, 1, "the cases file is empty")])
+    problems = _scan(root, path)
+    if problems:
+        raise PolicyInvalid(problems)
+    reader = _CaseReader(path, policy)
+    cases = reader.cases(root)
+    if reader.problems:
+        raise PolicyInvalid(sorted(reader.problems, key=lambda p: (p.line, p.col)))
+    return cases
+
+
+async def _run_cases(policy: Policy, cases: list[Case]) -> list[tuple[Case, Decision, str | None]]:
+    out = []
+    for case in cases:
+        # Only the case's own table: a name it does not list is unresolvable
+        # (dns_failed), and no case ever sends a DNS query.
+        decision, profile = await decide_for(policy, case.client, case.dest, StaticResolver(case.resolve))
+        out.append((case, decision, profile))
+    return out
+
+
+def _outcome(decision: Decision) -> str:
+    verdict = "allow" if decision.allowed else "refuse"
+    return f"{verdict} ({decision.reason.value})" if decision.reason else verdict
+
+
+def test(policy_path: str, cases_path: str, *, verbose: bool = False) -> int:
+    policy = _load(policy_path)
+    if policy is None:
+        return EXIT_INVALID
+    try:
+        cases = load_cases(cases_path, policy)
     except PolicyInvalid as e:
         for problem in e.problems:
             print(problem, file=sys.stderr)
-        print(f"{path}: {len(e.problems)} problem(s)", file=sys.stderr)
-        return 1
-    print("\n".join(summarise(policy)))
-    return 0
+        print(f"{cases_path}: {len(e.problems)} problem(s)", file=sys.stderr)
+        return EXIT_INVALID
+    passed = failed = 0
+    for case, decision, _profile in asyncio.run(_run_cases(policy, cases)):
+        got = "allow" if decision.allowed else "refuse"
+        ok = got == case.expect and (case.reason is None or (decision.reason is not None and decision.reason.value == case.reason))
+        if ok:
+            passed += 1
+            if verbose:
+                print(f"{cases_path}:{case.line}: ok: {case.label}: {_outcome(decision)}")
+            continue
+        failed += 1
+        wanted = f"{case.expect} ({case.reason})" if case.reason else case.expect
+        refusal = decision.refusal or decision.would_refuse
+        why = f": {refusal.detail}" if refusal else ""
+        rule = refusal.rule if refusal else (decision.rule.origin if decision.rule else None)
+        where = f" [rule {rule}]" if rule else ""
+        print(f"{cases_path}:{case.line}: FAIL: {case.label}: expected {wanted}, got {_outcome(decision)}{where}{why}")
+    print(f"{passed} passed, {failed} failed")
+    return EXIT_OK if failed == 0 else EXIT_INVALID
+
+
+# ---- hash-password ---------------------------------------------------------
+
+
+def hash_password_command() -> int:
+    stdin = sys.stdin
+    try:
+        interactive = stdin is not None and stdin.isatty()
+    except ValueError:  # closed
+        interactive = False
+    try:
+        if interactive:
+            password = getpass.getpass("Password: ")
+            if password != getpass.getpass("Repeat the password: "):
+                return _usage("hash-password", "the passwords do not match")
+        else:
+            password = stdin.read() if stdin is not None else ""
+            password = password.rstrip("\r\n")
+    except (EOFError, OSError, ValueError) as e:
+        return _usage("hash-password", f"could not read a password ({e or type(e).__name__})")
+    if not password:
+        return _usage("hash-password", "the password is empty")
+    print(hash_password(password))
+    return EXIT_OK

@@ -1,0 +1,242 @@
+"""Size and time caps: connect, whole-request and idle timeouts, request and
+response body caps counted on the wire as bodies stream, tunnel byte and time
+caps. Nothing is ever buffered to be counted, so memory stays flat.
+
+A cap that trips before the response started answers the client with a clear
+status and `Sluice-Reason`; after bytes went out, the connection is closed.
+Either way the verdict records the cap, the audit line names it, and the
+client connection (with its server connections) is closed and freed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from mitmproxy import connection, http, tcp
+from mitmproxy.net.http import status_codes
+from mitmproxy.proxy.server_hooks import ServerConnectionHookData
+
+from addons import connections
+from addons.audit import AuditLog
+from addons.policy_source import PolicySource
+from addons.refusals import answer_now, refusal_body, refusal_headers, refusal_response
+from addons.verdict import Verdict, verdict_of
+from policy.model import Limits, Rules
+from policy.reasons import Reason, Refusal
+
+NO_BODY_STATUSES = frozenset({204, 304})
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale and n % scale == 0:
+            return f"{n // scale} {unit}"
+    return f"{n} bytes"
+
+
+class Caps:
+    def __init__(self, source: PolicySource, audit: AuditLog) -> None:
+        self.source = source
+        self.audit = audit
+        self._request_deadlines: dict[str, asyncio.TimerHandle] = {}  # flow id
+        self._connect_deadlines: dict[str, asyncio.TimerHandle] = {}  # server id
+        self._tunnel_deadlines: dict[str, asyncio.TimerHandle] = {}  # flow id
+        self._connect_timeouts: dict[str, Refusal] = {}  # client id -> the timeout that hit
+
+    # ---- called by the gate ----------------------------------------------
+
+    def watch_client(self, client: connection.Client, rules: Rules) -> None:
+        top = self.source.current.policy.rules.limits if self.source.current else Limits()
+        if rules.limits.idle_timeout != top.idle_timeout:
+            connections.set_idle_timeout(client, rules.limits.idle_timeout)
+
+    def watch_connect(self, client: connection.Client, server: connection.Server, limits: Limits) -> None:
+        loop = asyncio.get_running_loop()
+        self._connect_deadlines[server.id] = loop.call_later(
+            limits.connect_timeout, self._connect_expired, client, server, limits.connect_timeout
+        )
+
+    # ---- connect timeout -------------------------------------------------
+
+    def _connect_expired(self, client: connection.Client, server: connection.Server, seconds: float) -> None:
+        self._connect_deadlines.pop(server.id, None)
+        if server.timestamp_tcp_setup is not None or server.error:
+            return
+        address = server.address[0] if server.address else "the origin"
+        self._connect_timeouts[client.id] = Refusal(
+            Reason.CONNECT_TIMEOUT, f"{address} did not accept a connection within {seconds:g}s"
+        )
+        connections.cancel_connect(client, server)
+
+    def server_connected(self, data: ServerConnectionHookData) -> None:
+        handle = self._connect_deadlines.pop(data.server.id, None)
+        if handle:
+            handle.cancel()
+
+    def server_connect_error(self, data: ServerConnectionHookData) -> None:
+        handle = self._connect_deadlines.pop(data.server.id, None)
+        if handle:
+            handle.cancel()
+
+    def client_connected(self, client: connection.Client) -> None:
+        if self.source.current is not None:
+            connections.set_idle_timeout(client, self.source.current.policy.rules.limits.idle_timeout)
+
+    def client_disconnected(self, client: connection.Client) -> None:
+        self._connect_timeouts.pop(client.id, None)
+
+    # ---- HTTP exchanges ----------------------------------------------------
+
+    def requestheaders(self, flow: http.HTTPFlow) -> None:
+        verdict = verdict_of(flow)
+        if verdict is None or not verdict.decision.allowed or flow.response is not None:
+            return
+        limits = verdict.limits
+        length = flow.request.headers.get("content-length")
+        if length is not None and length.strip().isdigit() and int(length) > limits.max_request_bytes:
+            verdict.cap = Refusal(Reason.REQUEST_TOO_LARGE, f"the request body is {int(length)} bytes, over this policy's {_size(limits.max_request_bytes)} cap")
+            answer_now(flow, verdict.cap)
+            return
+        if length is None and "chunked" in flow.request.headers.get("transfer-encoding", "").lower():
+            flow.request.stream = _BodyCounter(self, flow, limits.max_request_bytes, request=True)
+        loop = asyncio.get_running_loop()
+        self._request_deadlines[flow.id] = loop.call_later(
+            limits.request_timeout, self._request_expired, flow, limits.request_timeout
+        )
+
+    def responseheaders(self, flow: http.HTTPFlow) -> None:
+        verdict = verdict_of(flow)
+        if verdict is None or not verdict.decision.allowed or verdict.cap is not None:
+            return
+        limits = verdict.limits
+        response = flow.response
+        has_body = flow.request.method != "HEAD" and response.status_code >= 200 and response.status_code not in NO_BODY_STATUSES
+        length = response.headers.get("content-length")
+        if has_body and length is not None and length.strip().isdigit() and int(length) > limits.max_response_bytes:
+            verdict.cap = Refusal(Reason.RESPONSE_TOO_LARGE, f"the response body is {int(length)} bytes, over this policy's {_size(limits.max_response_bytes)} cap")
+            answer_now(flow, verdict.cap)
+            return
+        if response.stream is False or response.stream is None:
+            # Stream every body: counted chunk by chunk, never buffered whole.
+            response.stream = _BodyCounter(self, flow, limits.max_response_bytes, request=False)
+        verdict.response_started = True
+
+    def response(self, flow: http.HTTPFlow) -> None:
+        self._finish(flow)
+
+    def error(self, flow: http.HTTPFlow) -> None:
+        timeout = self._connect_timeouts.pop(flow.client_conn.id, None)
+        verdict = verdict_of(flow)
+        if timeout is not None and verdict is not None and verdict.cap is None and not verdict.response_started:
+            verdict.cap = timeout
+            answer_now(flow, timeout)
+        self._finish(flow)
+
+    def http_connect_error(self, flow: http.HTTPFlow) -> None:
+        timeout = self._connect_timeouts.pop(flow.client_conn.id, None)
+        verdict = verdict_of(flow)
+        if timeout is not None and verdict is not None:
+            verdict.cap = timeout
+            flow.response = refusal_response(timeout)
+
+    def _finish(self, flow: http.HTTPFlow) -> None:
+        handle = self._request_deadlines.pop(flow.id, None)
+        if handle:
+            handle.cancel()
+
+    def _request_expired(self, flow: http.HTTPFlow, seconds: float) -> None:
+        self._request_deadlines.pop(flow.id, None)
+        self.cut(flow, Refusal(Reason.REQUEST_TIMEOUT, f"the exchange took longer than this policy's {seconds:g}s request timeout"))
+
+    def cut(self, flow: http.HTTPFlow, refusal: Refusal) -> None:
+        """End an exchange now, from outside any hook (timer, body chunk)."""
+        verdict = verdict_of(flow)
+        if verdict is None or verdict.cap is not None:
+            return
+        verdict.cap = refusal
+        if not verdict.response_started and not (flow.request.is_http2 or flow.request.is_http3):
+            raw = connections.http1_response_bytes(
+                refusal.status, status_codes.RESPONSES.get(refusal.status, ""), refusal_headers(refusal), refusal_body(refusal)
+            )
+            connections.write_to_client(flow.client_conn, raw)
+        connections.close_client(flow.client_conn)
+        self._finish(flow)
+        self.audit.http_flow(flow)
+
+    # ---- tunnels -----------------------------------------------------------
+
+    def tcp_start(self, flow: tcp.TCPFlow) -> None:
+        verdict = verdict_of(flow)
+        if verdict is None or verdict.limits.tunnel_max_seconds is None:
+            return
+        seconds = verdict.limits.tunnel_max_seconds
+        self._tunnel_deadlines[flow.id] = asyncio.get_running_loop().call_later(
+            seconds, self.cut_tunnel, flow,
+            Refusal(Reason.TUNNEL_TIMEOUT, f"the tunnel stayed open longer than this policy's {seconds:g}s tunnel cap"),
+        )
+
+    def tcp_message(self, flow: tcp.TCPFlow) -> None:
+        message = flow.messages[-1]
+        flow.messages.clear()  # keep memory flat however long the tunnel runs
+        verdict = verdict_of(flow)
+        if verdict is None:
+            return
+        cap = verdict.limits.tunnel_max_bytes
+        if message.from_client:
+            verdict.bytes_from_client += len(message.content)
+            total = verdict.bytes_from_client
+        else:
+            verdict.bytes_from_server += len(message.content)
+            total = verdict.bytes_from_server
+        if cap is not None and total > cap and verdict.cap is None:
+            message.content = message.content[: max(0, len(message.content) - (total - cap))]
+            asyncio.get_running_loop().call_soon(
+                self.cut_tunnel, flow,
+                Refusal(Reason.TUNNEL_TOO_LARGE, f"the tunnel carried more than this policy's {_size(cap)} cap in one direction"),
+            )
+
+    def tcp_end(self, flow: tcp.TCPFlow) -> None:
+        handle = self._tunnel_deadlines.pop(flow.id, None)
+        if handle:
+            handle.cancel()
+
+    tcp_error = tcp_end
+
+    def cut_tunnel(self, flow: tcp.TCPFlow, refusal: Refusal) -> None:
+        verdict = verdict_of(flow)
+        if verdict is None or verdict.cap is not None:
+            return
+        verdict.cap = refusal
+        self.tcp_end(flow)
+        connections.close_client(flow.client_conn)
+        self.audit.tunnel(flow)
+
+
+class _BodyCounter:
+    """A mitmproxy stream callable: counts a body's bytes on the wire, passes
+    them through, and cuts the exchange once the cap is passed."""
+
+    __slots__ = ("caps", "flow", "cap", "request", "seen")
+
+    def __init__(self, caps: Caps, flow: http.HTTPFlow, cap: int, *, request: bool) -> None:
+        self.caps, self.flow, self.cap, self.request, self.seen = caps, flow, cap, request, 0
+
+    def __call__(self, chunk: bytes) -> bytes:
+        if not chunk:
+            return chunk
+        verdict: Verdict | None = verdict_of(self.flow)
+        if verdict is None or verdict.cap is not None:
+            return b""
+        self.seen += len(chunk)
+        if self.request:
+            verdict.bytes_from_client = self.seen
+        else:
+            verdict.bytes_from_server = self.seen
+        if self.seen <= self.cap:
+            return chunk
+        reason = Reason.REQUEST_TOO_LARGE if self.request else Reason.RESPONSE_TOO_LARGE
+        what = "request" if self.request else "response"
+        refusal = Refusal(reason, f"the {what} body passed this policy's {_size(self.cap)} cap")
+        # Never close sockets from inside mitmproxy's event processing.
+        asyncio.get_running_loop().call_soon(self.caps.cut, self.flow, refusal)
+        return chunk[: len(chunk) - (self.seen - self.cap)]

@@ -1,0 +1,77 @@
+"""The one place Sluice reaches into mitmproxy's connection handlers.
+
+mitmproxy checks `flow.kill()` only at hook boundaries and does nothing for a
+TCP tunnel, so caps that trip between hooks (a timer, a streamed chunk, a
+tunnel message) act on the connection handler directly: answer the client
+with raw bytes when nothing was sent yet, and close every socket of the
+client connection, which frees its resources.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from mitmproxy import connection, ctx
+
+logger = logging.getLogger("sluice.connections")
+
+
+def _handler(client_id: str):
+    proxyserver = ctx.master.addons.get("proxyserver")
+    return proxyserver.connections.get(client_id) if proxyserver else None
+
+
+def write_to_client(client: connection.Client, data: bytes) -> bool:
+    """Send bytes straight to the client socket (an HTTP/1 response that
+    replaces whatever mitmproxy would have sent). False if it is gone."""
+    handler = _handler(client.id)
+    if handler is None:
+        return False
+    io = handler.transports.get(handler.client)
+    if io is None or io.writer is None or io.writer.is_closing():
+        return False
+    io.writer.write(data)
+    return True
+
+
+def close_client(client: connection.Client) -> bool:
+    """Close the client connection and every server connection it holds."""
+    handler = _handler(client.id)
+    if handler is None:
+        return False
+    for conn in list(handler.transports):
+        try:
+            if handler.transports[conn].handler is not None:
+                handler.close_connection(conn)
+        except (KeyError, OSError, AssertionError):
+            logger.debug("closing %s failed", conn, exc_info=True)
+    return True
+
+
+def cancel_connect(client: connection.Client, server: connection.Server) -> bool:
+    """Abort a server connection still being dialled (its task is cancelled,
+    so mitmproxy reports the connect as failed)."""
+    handler = _handler(client.id)
+    if handler is None:
+        return False
+    io = handler.transports.get(server)
+    if io is None or io.handler is None or io.handler.done():
+        return False
+    io.handler.cancel("sluice connect timeout")
+    return True
+
+
+def set_idle_timeout(client: connection.Client, seconds: float) -> None:
+    """Per-profile idle timeout: mitmproxy's watchdog for this client connection."""
+    handler = _handler(client.id)
+    if handler is not None:
+        handler.timeout_watchdog.timeout = seconds
+
+
+def http1_response_bytes(status: int, reason: str, headers: dict[str, str], body: bytes) -> bytes:
+    lines = [f"HTTP/1.1 {status} {reason}"]
+    for name, value in headers.items():
+        lines.append(f"{name}: {value}")
+    lines.append(f"Content-Length: {len(body)}")
+    lines.append("Connection: close")
+    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body

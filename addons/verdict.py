@@ -1,0 +1,39 @@
+"""What Sluice decided about one flow, carried in `flow.metadata` from the gate
+to the caps, the redirect guard and the audit log."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from mitmproxy import flow as mflow
+
+from policy.decide import Decision
+from policy.model import Limits, Rules
+from policy.reasons import Refusal
+
+META = "sluice"
+
+
+@dataclass(slots=True)
+class Verdict:
+    host: str  # the host as the client named it
+    port: int
+    decision: Decision
+    profile: str | None
+    rules: Rules | None  # the profile's rules (None when the client itself was refused)
+    intercept: bool = False  # a tunnel whose TLS the proxy terminates
+    started: float = field(default_factory=time.time)
+    cap: Refusal | None = None  # a cap or guard that cut the exchange after the decision
+    bytes_from_client: int = 0
+    bytes_from_server: int = 0
+    response_started: bool = False  # headers went to the client
+    logged: bool = False
+
+    @property
+    def limits(self) -> Limits:
+        return self.rules.limits if self.rules is not None else Limits()
+
+
+def verdict_of(f: mflow.Flow) -> Verdict | None:
+    return f.metadata.get(META)
