@@ -16,6 +16,7 @@ not come or the process exits.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import signal
 import socket
@@ -55,6 +56,10 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def sluice_executable() -> str:
+    """The `sluice` console script of this venv (or $SLUICE_BIN, to test another build)."""
+    override = os.environ.get("SLUICE_BIN")
+    if override:
+        return override
     candidate = Path(sys.executable).parent / "sluice"
     if candidate.exists():
         return str(candidate)
