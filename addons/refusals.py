@@ -15,7 +15,6 @@ _PROXY_STATUS_ERRORS = {
     Reason.DNS_FAILED: "dns_error",
     Reason.CONNECT_TIMEOUT: "connection_timeout",
     Reason.REQUEST_TIMEOUT: "http_response_timeout",
-    Reason.IDLE_TIMEOUT: "connection_read_timeout",
     Reason.RESPONSE_TOO_LARGE: "http_response_content_length",
     Reason.REQUEST_TOO_LARGE: "http_request_error",
     Reason.CLIENT_UNKNOWN: "http_request_denied",

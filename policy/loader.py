@@ -534,7 +534,7 @@ def load_policy_text(text: str, file: str = "<policy>", read_secret: Callable[[s
         raise PolicyInvalid([Problem(file, 1, 1, f"YAML: {e}")]) from None
     except RecursionError:
         raise PolicyInvalid([Problem(file, 1, 1, "the policy nests lists or mappings too deeply; refusing it")]) from None
-    if root is None:
+    if root is None or (isinstance(root, yaml.ScalarNode) and root.tag == _YAML + "null"):  # nothing, `---` or `~`
         raise PolicyInvalid([Problem(file, 1, 1, "the policy is empty; it needs at least `version: 1`")])
     problems = _scan(root, file)
     if problems:

@@ -27,7 +27,6 @@ class Reason(StrEnum):
     RESPONSE_TOO_LARGE = "response_too_large"
     CONNECT_TIMEOUT = "connect_timeout"
     REQUEST_TIMEOUT = "request_timeout"
-    IDLE_TIMEOUT = "idle_timeout"
     TUNNEL_TOO_LARGE = "tunnel_too_large"
     TUNNEL_TIMEOUT = "tunnel_timeout"
     REDIRECT_REFUSED = "redirect_refused"
@@ -57,7 +56,6 @@ REASONS: dict[Reason, ReasonInfo] = {
     Reason.RESPONSE_TOO_LARGE: ReasonInfo(502, "the response body is over `limits.max_response_bytes`"),
     Reason.CONNECT_TIMEOUT: ReasonInfo(504, "the origin did not accept the connection within `limits.connect_timeout`"),
     Reason.REQUEST_TIMEOUT: ReasonInfo(504, "the whole exchange took longer than `limits.request_timeout`"),
-    Reason.IDLE_TIMEOUT: ReasonInfo(504, "nothing moved for `limits.idle_timeout`"),
     Reason.TUNNEL_TOO_LARGE: ReasonInfo(502, "a tunnel carried more than `limits.tunnel_max_bytes` in one direction"),
     Reason.TUNNEL_TIMEOUT: ReasonInfo(504, "a tunnel stayed open longer than `limits.tunnel_max_seconds`"),
     Reason.REDIRECT_REFUSED: ReasonInfo(403, "the response redirects to a destination the policy refuses"),

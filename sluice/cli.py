@@ -18,6 +18,11 @@ def _parser() -> argparse.ArgumentParser:
     proxy.add_argument("--audit-log", default="-", metavar="FILE", help="JSON audit lines: '-' for stdout (default) or a file")
     proxy.add_argument("--set", action="append", default=[], metavar="NAME=VALUE", dest="sets",
                        help="set any mitmproxy option, repeatable")
+    proxy.add_argument("--ca-dir", default=None, metavar="DIR",
+                       help="interception CA directory (default: $SLUICE_CA_DIR or ~/.sluice/ca)")
+
+    ca = sub.add_parser("ca", help="print the interception CA certificate's path and PEM (creating it if missing)")
+    ca.add_argument("--ca-dir", default=None, metavar="DIR", help="CA directory (default: $SLUICE_CA_DIR or ~/.sluice/ca)")
 
     policy = sub.add_parser(
         "policy", help="check, explain and test policies",
@@ -68,7 +73,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "proxy":
         from sluice.proxy import run
 
-        return run(args.policy, args.listen, args.mode, args.audit_log, args.sets)
+        return run(args.policy, args.listen, args.mode, args.audit_log, args.sets, args.ca_dir)
+    if args.command == "ca":
+        from sluice.ca import show
+
+        return show(args.ca_dir)
     if args.command == "policy":
         from sluice import policy_cli
 

@@ -12,6 +12,7 @@ from mitmproxy.addons.termlog import TermLog
 from mitmproxy.tools.dump import DumpMaster
 
 from addons.sluice_addon import make_addons
+from sluice.ca import ca_dir, ensure_ca
 
 # mitmproxy defaults Sluice changes: no onboarding app (mitm.it would answer
 # inside the proxy), and quiet connection chatter (the audit log is the record).
@@ -42,8 +43,8 @@ def parse_listen(text: str) -> tuple[str, int]:
     return host, int(port)
 
 
-async def _serve(policy: str, listen: tuple[str, int], modes: list[str], audit_log: str, sets: list[str]) -> int:
-    opts = options.Options(listen_host=listen[0], listen_port=listen[1])
+async def _serve(policy: str, listen: tuple[str, int], modes: list[str], audit_log: str, sets: list[str], ca: str) -> int:
+    opts = options.Options(listen_host=listen[0], listen_port=listen[1], confdir=ca)
     master = DumpMaster(opts, with_termlog=False, with_dumper=False)
     master.addons.add(TermLog(out=sys.stderr))
     master.addons.add(*make_addons(), ReadyLine(policy))
@@ -66,11 +67,16 @@ async def _serve(policy: str, listen: tuple[str, int], modes: list[str], audit_l
     return 0
 
 
-def run(policy: str, listen: str, modes: list[str], audit_log: str, sets: list[str]) -> int:
+def run(policy: str, listen: str, modes: list[str], audit_log: str, sets: list[str], ca: str | None = None) -> int:
     try:
         address = parse_listen(listen)
+        directory = ca_dir(ca)
+        ensure_ca(directory)
     except ValueError as e:
         print(f"sluice: {e}", file=sys.stderr)
         return 2
+    except OSError as e:
+        print(f"sluice: cannot prepare the CA directory {directory}: {e.strerror or e}", file=sys.stderr)
+        return 2
     logging.getLogger("asyncio").setLevel(logging.WARNING)
-    return asyncio.run(_serve(policy, address, modes, audit_log, sets))
+    return asyncio.run(_serve(policy, address, modes, audit_log, sets, str(directory)))
