@@ -480,7 +480,7 @@ _SAFE_TAGS = frozenset(_YAML + t for t in ("null", "bool", "int", "float", "str"
 _CHECKED_SCALARS = frozenset(_YAML + t for t in ("null", "bool", "int", "float", "timestamp"))
 
 
-def _scan(root: yaml.Node, file: str) -> list[Problem]:
+def _scan(root: yaml.Node, file: str, what: str = "policy") -> list[Problem]:
     """Walk the node tree as a constructor would expand it (aliases counted
     each time, so an alias bomb stops at MAX_NODES) and refuse unsafe tags and
     scalars that cannot be constructed, before any value is read."""
@@ -493,7 +493,7 @@ def _scan(root: yaml.Node, file: str) -> list[Problem]:
         node = stack.pop()
         count += 1
         if count > MAX_NODES:
-            return [Problem(file, 1, 1, f"the policy expands to more than {MAX_NODES} YAML nodes (an alias bomb?); refusing it")]
+            return [Problem(file, 1, 1, f"the {what} expands to more than {MAX_NODES} YAML nodes (an alias bomb?); refusing it")]
         if id(node) not in seen:
             seen.add(id(node))
             mark = node.start_mark
@@ -502,7 +502,7 @@ def _scan(root: yaml.Node, file: str) -> list[Problem]:
                     message = "YAML merge keys (<<) are not supported; write the keys out"
                 else:
                     tag = "!!" + node.tag[len(_YAML):] if node.tag.startswith(_YAML) else node.tag
-                    message = f"the YAML tag {tag!r} is not allowed in a policy"
+                    message = f"the YAML tag {tag!r} is not allowed in a {what}"
                 problems.append(Problem(file, mark.line + 1, mark.column + 1, message))
             elif node.tag in _CHECKED_SCALARS and isinstance(node, yaml.ScalarNode):
                 try:

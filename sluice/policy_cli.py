@@ -51,7 +51,7 @@ def dispatch(args) -> int:
     if command == "explain":
         return explain(args.policy, args.url, client=args.client, method=args.method, resolve=args.resolve)
     if command == "test":
-        return test(args.file, args.cases, verbose=args.verbose)
+        return run_test(args.file, args.cases, verbose=args.verbose)
     if command == "hash-password":
         return hash_password_command()
     return EXIT_USAGE
@@ -230,12 +230,15 @@ def parse_resolve(items: list[str]) -> dict[str, list[str]]:
         name, sep, ips = item.partition("=")
         if not sep or not name or not ips:
             raise UsageError(f"--resolve {item!r}: expected HOST=IP (repeat it, or HOST=IP1,IP2, for several answers)")
-        key = resolve_name(name)
-        answers = table.setdefault(key, [])
-        for ip in ips.split(","):
-            address = canonical_ip(ip)
-            if address not in answers:
-                answers.append(address)
+        try:
+            key = resolve_name(name)
+            answers = table.setdefault(key, [])
+            for ip in ips.split(","):
+                address = canonical_ip(ip)
+                if address not in answers:
+                    answers.append(address)
+        except UsageError as e:
+            raise UsageError(f"--resolve {item!r}: {e}") from None
     return table
 
 
@@ -522,7 +525,7 @@ def load_cases(path: str, policy: Policy) -> list[Case]:
         raise PolicyInvalid([Problem(path, 1, 1, "the cases file nests too deeply")]) from None
     if root is None:
         raise PolicyInvalid([Problem(path, 1, 1, "the cases file is empty")])
-    problems = _scan(root, path)
+    problems = _scan(root, path, "cases file")
     if problems:
         raise PolicyInvalid(problems)
     reader = _CaseReader(path, policy)
@@ -547,7 +550,7 @@ def _outcome(decision: Decision) -> str:
     return f"{verdict} ({decision.reason.value})" if decision.reason else verdict
 
 
-def test(policy_path: str, cases_path: str, *, verbose: bool = False) -> int:
+def run_test(policy_path: str, cases_path: str, *, verbose: bool = False) -> int:
     policy = _load(policy_path)
     if policy is None:
         return EXIT_INVALID

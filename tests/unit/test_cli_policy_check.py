@@ -1,0 +1,170 @@
+"""`sluice policy check` and `sluice policy hash-password`."""
+
+from __future__ import annotations
+
+import io
+import re
+from pathlib import Path
+
+import pytest
+
+from policy.clients import verify_password
+from policy.loader import load_policy_text
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+# ---- check -----------------------------------------------------------------------
+
+
+def test_check_ok_prints_a_summary(cli, write):
+    path = write("p.yaml", """\
+version: 1
+allow: ["**.example.org", pypi.org]
+deny: [bad.example.org]
+methods: [GET, HEAD]
+private_networks: ["10.0.0.5/32:8080"]
+dns: {nameservers: ["127.0.0.53"], timeout: 2s}
+require_client: true
+clients:
+  - name: ci
+    sources: [10.20.0.0/16]
+    action: report
+""")
+    result = cli(["policy", "check", path])
+    assert result.code == 0 and result.err == ""
+    assert result.out.splitlines() == [
+        f"{path}: OK (enforce mode)",
+        "  reaches 2 allowed host pattern(s) on ports 80, 443, except 1 denied pattern(s)",
+        "  methods: GET, HEAD",
+        "  private networks opened: 10.0.0.5/32:8080",
+        "  DNS: 127.0.0.53:53, timeout 2s",
+        "  client 'ci' (sources 10.20.0.0/16):",
+        "    reaches 2 allowed host pattern(s) on ports 80, 443, except 1 denied pattern(s)",
+        "    report mode: host and method refusals are logged, not enforced",
+        "    methods: GET, HEAD",
+        "    private networks opened: 10.0.0.5/32:8080",
+        "  clients matching no profile are refused (407)",
+    ]
+
+
+def test_check_the_default_policy(cli):
+    result = cli(["policy", "check", ROOT / "config" / "policy.yaml"])
+    assert result.code == 0
+    assert "reaches any public host on ports 80, 443" in result.out
+    assert "no private networks opened (public internet only)" in result.out
+
+
+def test_check_names_internal_hosts_opened_next_to_star(cli, write):
+    path = write("p.yaml", 'version: 1\nallow: ["*", searxng]\n')
+    assert "reaches any public host and the internal name(s) searxng on ports 80, 443" in cli(["policy", "check", path]).out
+
+
+def test_check_invalid_prints_file_line_col_and_exits_1(cli, write):
+    path = write("p.yaml", "version: 1\nalow: [x]\nclients:\n  - name: a\n  - name: a\n    sources: [10.0.0.1/8]\n")
+    result = cli(["policy", "check", path])
+    assert result.code == 1 and result.out == ""
+    assert result.err.splitlines() == [
+        f"{path}:2:1: unknown key 'alow' in the policy; did you mean 'allow'?",
+        f"{path}:4:5: client profile 'a' matches nobody: give it `users` or `sources`",
+        f"{path}:5:11: client profile 'a' is defined twice (first at line 4)",
+        f"{path}: 3 problem(s)",
+    ]
+
+
+@pytest.mark.parametrize("content", ["", b"\xff\xfe\x00", "version: [1\n", "!!python/object:os.system {}\n"])
+def test_check_never_prints_a_traceback(cli, write, content):
+    path = write("p.yaml", content)
+    result = cli(["policy", "check", path])
+    assert result.code == 1 and "Traceback" not in result.err
+    assert re.match(rf"^{re.escape(str(path))}:\d+:\d+: ", result.err)
+
+
+def test_check_missing_file_and_directory(cli, tmp_path):
+    result = cli(["policy", "check", tmp_path / "nope.yaml"])
+    assert result.code == 1 and result.err.startswith(f"{tmp_path / 'nope.yaml'}:1:1: cannot read the policy")
+    result = cli(["policy", "check", tmp_path])
+    assert result.code == 1 and "cannot read the policy" in result.err
+
+
+def test_check_survives_a_loader_bug(cli, write, monkeypatch):
+    def broken(path):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr("sluice.policy_cli.load_policy_file", broken)
+    path = write("p.yaml", "version: 1\n")
+    result = cli(["policy", "check", path])
+    assert result.code == 1
+    assert result.err.splitlines()[0] == f"{path}:1:1: cannot load the policy (RuntimeError: boom); please report this"
+
+
+def test_policy_without_subcommand_is_a_usage_error(cli):
+    assert cli(["policy"]).code == 2
+    assert cli(["policy", "check"]).code == 2
+    assert cli(["policy", "frobnicate"]).code == 2
+
+
+# ---- hash-password ---------------------------------------------------------------------
+
+
+class FakeStdin(io.StringIO):
+    def __init__(self, text: str, tty: bool = False) -> None:
+        super().__init__(text)
+        self.tty = tty
+
+    def isatty(self) -> bool:
+        return self.tty
+
+
+@pytest.mark.parametrize(("stdin", "password"), [("s3cret\n", "s3cret"), ("s3cret", "s3cret"), ("s3cret\r\n", "s3cret"),
+                                                  ("with space \n", "with space ")])
+def test_hash_password_from_stdin(cli, monkeypatch, stdin, password):
+    monkeypatch.setattr("sys.stdin", FakeStdin(stdin))
+    result = cli(["policy", "hash-password"])
+    assert result.code == 0 and result.err == ""
+    verifier = result.out.strip()
+    assert result.out.count("\n") == 1 and verifier.startswith("pbkdf2_sha256$200000$")
+    assert verify_password(verifier, password) and not verify_password(verifier, password + "x")
+    # and the policy takes it
+    policy = load_policy_text(f'version: 1\nclients:\n  - name: a\n    users: {{bot: {{password_hash: "{verifier}"}}}}\n')
+    assert policy.clients[0].credentials == (("bot", verifier),)
+
+
+def test_hash_password_refuses_an_empty_password(cli, monkeypatch):
+    monkeypatch.setattr("sys.stdin", FakeStdin("\n"))
+    result = cli(["policy", "hash-password"])
+    assert result.code == 2 and result.out == ""
+    assert result.err.strip() == "sluice policy hash-password: error: the password is empty"
+
+
+def test_hash_password_prompts_twice_on_a_terminal(cli, monkeypatch):
+    answers = iter(["tty-secret", "tty-secret"])
+    prompts = []
+
+    def fake_getpass(prompt=""):
+        prompts.append(prompt)
+        return next(answers)
+
+    monkeypatch.setattr("sys.stdin", FakeStdin("", tty=True))
+    monkeypatch.setattr("getpass.getpass", fake_getpass)
+    result = cli(["policy", "hash-password"])
+    assert result.code == 0 and len(prompts) == 2
+    assert verify_password(result.out.strip(), "tty-secret")
+
+
+def test_hash_password_mismatch_on_a_terminal(cli, monkeypatch):
+    answers = iter(["one", "two"])
+    monkeypatch.setattr("sys.stdin", FakeStdin("", tty=True))
+    monkeypatch.setattr("getpass.getpass", lambda prompt="": next(answers))
+    result = cli(["policy", "hash-password"])
+    assert result.code == 2 and result.out == "" and "do not match" in result.err
+
+
+def test_hash_password_eof_on_a_terminal(cli, monkeypatch):
+    def eof(prompt=""):
+        raise EOFError
+
+    monkeypatch.setattr("sys.stdin", FakeStdin("", tty=True))
+    monkeypatch.setattr("getpass.getpass", eof)
+    result = cli(["policy", "hash-password"])
+    assert result.code == 2 and "could not read a password" in result.err
