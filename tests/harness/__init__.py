@@ -2,6 +2,20 @@
 
 Everything here binds the test addresses that `scripts/in-netns.sh` puts on
 `lo` inside a private network namespace; nothing is ever sent off loopback.
+Run the integration tests only as
+
+    make test            # or: scripts/in-netns.sh .venv/bin/pytest -q tests/integration
+
+Pieces (fixtures in tests/conftest.py wrap them):
+- fakedns.FakeDNS   programmable DNS on 127.0.0.53:53 (UDP+TCP)   -> `fake_dns`
+- servers.NetServers origins on 8.8.8.8, 1.1.1.1, [2606:4700:4700::1111]
+                     (:80, :8080, TLS :443) and canaries on 127.0.0.1, 10.0.0.1,
+                     169.254.169.254, 100.100.100.200, [fd00:ec2::254], [::1]
+                     (:80, :443, :8080)                            -> `net`
+- sluice.SluiceProcess `sluice proxy` as a subprocess              -> `sluice_factory`
+- clients            raw HTTP / CONNECT / SOCKS5 clients and a clean-env curl
+- netns.netns_problem the guard behind the `netns` session fixture
+Set SLUICE_BIN to run the tests against another `sluice` executable.
 """
 
 from .clients import (

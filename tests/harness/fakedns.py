@@ -31,7 +31,6 @@ import dns.flags
 import dns.message
 import dns.name
 import dns.rcode
-import dns.rdataclass
 import dns.rdatatype
 import dns.rrset
 
@@ -249,7 +248,9 @@ class FakeDNS:
             response, delay = self._answer(query)
             wire = response.to_wire(max_size=query.payload if query.edns >= 0 else 512)
             if delay > 0:
-                threading.Timer(delay, self._send_udp, (wire, peer)).start()
+                timer = threading.Timer(delay, self._send_udp, (wire, peer))
+                timer.daemon = True
+                timer.start()
             else:
                 self._send_udp(wire, peer)
 
@@ -291,7 +292,7 @@ class FakeDNS:
                         time.sleep(delay)
                     wire = response.to_wire()
                     conn.sendall(struct.pack("!H", len(wire)) + wire)
-        except (OSError, Exception):
+        except Exception:  # a client that hangs up or sends garbage
             return
 
 

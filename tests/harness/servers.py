@@ -216,7 +216,8 @@ class NetServers:
                 await self._send(writer, 200, body, close=close, head=(method == "HEAD"))
                 if close:
                     return
-        except (ConnectionError, OSError, ssl.SSLError, ValueError):
+        except (ConnectionError, OSError, ssl.SSLError, ValueError, EOFError, asyncio.LimitOverrunError):
+            # EOFError covers asyncio.IncompleteReadError (a client that hangs up mid-body).
             return
         finally:
             try:
