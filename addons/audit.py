@@ -98,8 +98,9 @@ class AuditLog:
             reason=(refusal or soft).reason.value if (refusal or soft) else None,
             would_refuse=True if soft else None,
             rule=_rule(d, refusal),
-            status=(refusal.status if verdict.cap and not verdict.response_started else
-                    response.status_code if response else None),
+            status=(verdict.wire_status or
+                    (refusal.status if verdict.cap and not verdict.response_started else
+                     response.status_code if response else None)),
             bytes_out=verdict.bytes_from_client or (len(flow.request.raw_content or b"") if d.allowed else 0),
             bytes_in=verdict.bytes_from_server or (len(response.raw_content or b"") if response and d.allowed else 0),
             duration=round(time.time() - verdict.started, 4),
@@ -107,26 +108,29 @@ class AuditLog:
         )
 
     def tunnel(self, flow: tcp.TCPFlow) -> None:
-        """One line when a tunnel (CONNECT, SOCKS5, transparent) closes."""
+        """One line when a tunnel's TCP flow ends."""
         verdict = verdict_of(flow)
-        if verdict is not None and verdict.logged:
+        if verdict is None:  # not decided by the gate: should not happen; log what we know
+            server = flow.server_conn
+            address = server.peername[0] if server.peername else (server.address[0] if server.address else "?")
+            verdict = Verdict(address, server.address[1] if server.address else 0, Decision(True, address=address), None, None)
+        self.tunnel_line(verdict, flow.client_conn, flow.id, flow.error.msg if flow.error else None)
+
+    def tunnel_line(self, verdict: Verdict, client: connection.Client, flow_id: str | None = None, error: str | None = None) -> None:
+        """One line when a tunnel (CONNECT, SOCKS5, transparent) closes or is cut."""
+        if verdict.logged:
             return
-        server = flow.server_conn
-        address = server.peername[0] if server.peername else (server.address[0] if server.address else None)
-        if verdict is None:  # not decided by the gate: should not happen, log what we know
-            verdict = Verdict(address or "?", server.address[1] if server.address else 0, Decision(True), None, None)
-            flow.metadata["sluice"] = verdict
         verdict.logged = True
         d = verdict.decision
         self.write(
-            event="tunnel", id=flow.id, client=peer(flow.client_conn), profile=verdict.profile,
-            host=str(d.host) if d.host else verdict.host, port=verdict.port, address=address,
+            event="tunnel", id=flow_id, client=peer(client), profile=verdict.profile,
+            host=str(d.host) if d.host else verdict.host, port=verdict.port, address=d.address,
             decision="refuse" if verdict.cap else "allow",
             reason=(verdict.cap or d.would_refuse).reason.value if (verdict.cap or d.would_refuse) else None,
             would_refuse=True if d.would_refuse else None, rule=_rule(d, verdict.cap),
             bytes_out=verdict.bytes_from_client, bytes_in=verdict.bytes_from_server,
             duration=round(time.time() - verdict.started, 4),
-            detail=verdict.cap.detail if verdict.cap else (flow.error.msg if flow.error else None),
+            detail=verdict.cap.detail if verdict.cap else error,
         )
 
     def refused_connection(self, client: connection.Client, host: str, port: int, decision: Decision, profile: str | None) -> None:

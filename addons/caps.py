@@ -40,7 +40,7 @@ class Caps:
         self.audit = audit
         self._request_deadlines: dict[str, asyncio.TimerHandle] = {}  # flow id
         self._connect_deadlines: dict[str, asyncio.TimerHandle] = {}  # server id
-        self._tunnel_deadlines: dict[str, asyncio.TimerHandle] = {}  # flow id
+        self._tunnel_deadlines: dict[str, list[asyncio.TimerHandle]] = {}  # client id
         self._connect_timeouts: dict[str, Refusal] = {}  # client id -> the timeout that hit
 
     # ---- called by the gate ----------------------------------------------
@@ -84,6 +84,8 @@ class Caps:
 
     def client_disconnected(self, client: connection.Client) -> None:
         self._connect_timeouts.pop(client.id, None)
+        for handle in self._tunnel_deadlines.pop(client.id, ()):
+            handle.cancel()
 
     # ---- HTTP exchanges ----------------------------------------------------
 
@@ -165,21 +167,26 @@ class Caps:
 
     # ---- tunnels -----------------------------------------------------------
 
-    def tcp_start(self, flow: tcp.TCPFlow) -> None:
-        verdict = verdict_of(flow)
-        if verdict is None or verdict.limits.tunnel_max_seconds is None:
-            return
+    def watch_tunnel(self, client: connection.Client, verdict: Verdict) -> None:
+        """Start a passed-through tunnel's time cap as soon as it is open (a
+        tunnel that never carries a byte is still capped)."""
         seconds = verdict.limits.tunnel_max_seconds
-        self._tunnel_deadlines[flow.id] = asyncio.get_running_loop().call_later(
-            seconds, self.cut_tunnel, flow,
+        if seconds is None:
+            return
+        handle = asyncio.get_running_loop().call_later(
+            seconds, self.cut_tunnel, client, verdict,
             Refusal(Reason.TUNNEL_TIMEOUT, f"the tunnel stayed open longer than this policy's {seconds:g}s tunnel cap"),
         )
+        self._tunnel_deadlines.setdefault(client.id, []).append(handle)
 
     def tcp_message(self, flow: tcp.TCPFlow) -> None:
         message = flow.messages[-1]
         flow.messages.clear()  # keep memory flat however long the tunnel runs
         verdict = verdict_of(flow)
         if verdict is None:
+            return
+        if verdict.cap is not None:
+            message.content = b""
             return
         cap = verdict.limits.tunnel_max_bytes
         if message.from_client:
@@ -188,45 +195,44 @@ class Caps:
         else:
             verdict.bytes_from_server += len(message.content)
             total = verdict.bytes_from_server
-        if cap is not None and total > cap and verdict.cap is None:
+        if cap is not None and total > cap:
             message.content = message.content[: max(0, len(message.content) - (total - cap))]
             asyncio.get_running_loop().call_soon(
-                self.cut_tunnel, flow,
+                self.cut_tunnel, flow.client_conn, verdict,
                 Refusal(Reason.TUNNEL_TOO_LARGE, f"the tunnel carried more than this policy's {_size(cap)} cap in one direction"),
             )
 
-    def tcp_end(self, flow: tcp.TCPFlow) -> None:
-        handle = self._tunnel_deadlines.pop(flow.id, None)
-        if handle:
-            handle.cancel()
-
-    tcp_error = tcp_end
-
-    def cut_tunnel(self, flow: tcp.TCPFlow, refusal: Refusal) -> None:
-        verdict = verdict_of(flow)
-        if verdict is None or verdict.cap is not None:
+    def cut_tunnel(self, client: connection.Client, verdict: Verdict, refusal: Refusal) -> None:
+        if verdict.cap is not None or verdict.logged:
             return
         verdict.cap = refusal
-        self.tcp_end(flow)
-        connections.close_client(flow.client_conn)
-        self.audit.tunnel(flow)
+        connections.close_client(client)
+        self.audit.tunnel_line(verdict, client)
 
 
 class _BodyCounter:
     """A mitmproxy stream callable: counts a body's bytes on the wire, passes
-    them through, and cuts the exchange once the cap is passed."""
+    them through, and cuts the exchange once the cap is passed (the client
+    then sees a body that ends without its terminator: plainly incomplete)."""
 
-    __slots__ = ("caps", "flow", "cap", "request", "seen")
+    __slots__ = ("caps", "flow", "cap", "request", "seen", "tripped")
 
     def __init__(self, caps: Caps, flow: http.HTTPFlow, cap: int, *, request: bool) -> None:
         self.caps, self.flow, self.cap, self.request, self.seen = caps, flow, cap, request, 0
+        self.tripped = False
 
-    def __call__(self, chunk: bytes) -> bytes:
+    def __call__(self, chunk: bytes) -> bytes | list[bytes]:
+        if self.tripped:
+            # Whatever comes after the cap (more data, or the end of the body,
+            # which mitmproxy would frame as a clean finish) never reaches the
+            # client: its writer is shut now, synchronously.
+            connections.shut_client_writer(self.flow.client_conn)
+            return []  # b"" would go out as a zero-length chunk: an end of body
         if not chunk:
             return chunk
         verdict: Verdict | None = verdict_of(self.flow)
         if verdict is None or verdict.cap is not None:
-            return b""
+            return []
         self.seen += len(chunk)
         if self.request:
             verdict.bytes_from_client = self.seen
@@ -234,9 +240,11 @@ class _BodyCounter:
             verdict.bytes_from_server = self.seen
         if self.seen <= self.cap:
             return chunk
+        self.tripped = True
         reason = Reason.REQUEST_TOO_LARGE if self.request else Reason.RESPONSE_TOO_LARGE
         what = "request" if self.request else "response"
         refusal = Refusal(reason, f"the {what} body passed this policy's {_size(self.cap)} cap")
-        # Never close sockets from inside mitmproxy's event processing.
+        # Sockets are closed from outside mitmproxy's event processing.
         asyncio.get_running_loop().call_soon(self.caps.cut, self.flow, refusal)
-        return chunk[: len(chunk) - (self.seen - self.cap)]
+        head = chunk[: len(chunk) - (self.seen - self.cap)]
+        return head if head else []

@@ -34,11 +34,24 @@ def write_to_client(client: connection.Client, data: bytes) -> bool:
     return True
 
 
+def shut_client_writer(client: connection.Client) -> None:
+    """Stop anything more reaching the client: what was already written (a
+    refusal, or a body cut at its cap) is flushed, and nothing mitmproxy
+    writes afterwards (such as the final empty chunk that would make a cut
+    body look complete) goes out. Safe to call from inside mitmproxy's event
+    processing (a stream callable)."""
+    handler = _handler(client.id)
+    io = handler.transports.get(handler.client) if handler is not None else None
+    if io is not None and io.writer is not None and not io.writer.is_closing():
+        io.writer.close()
+
+
 def close_client(client: connection.Client) -> bool:
     """Close the client connection and every server connection it holds."""
     handler = _handler(client.id)
     if handler is None:
         return False
+    shut_client_writer(client)
     for conn in list(handler.transports):
         try:
             if handler.transports[conn].handler is not None:

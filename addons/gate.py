@@ -72,7 +72,12 @@ class EgressGate:
         else:
             await self._gate_http(flow)
         verdict = verdict_of(flow)
-        if verdict is not None and verdict.decision.allowed:
+        if verdict is not None and flow.error is not None:
+            # mitmproxy already found the request invalid (e.g. an ftp:// URL)
+            # and answers 400 itself after this hook: record what was sent.
+            flow.response = None
+            verdict.wire_status = 400
+        elif verdict is not None and verdict.decision.allowed:
             _strip_headers(flow.request, verdict.rules.strip_request_headers if verdict.rules else frozenset())
 
     async def http_connect(self, flow: http.HTTPFlow) -> None:
@@ -171,11 +176,15 @@ class EgressGate:
     def _remember_tunnel(self, client: connection.Client, server: connection.Server, verdict: Verdict) -> None:
         self._tunnels[server.id] = verdict
         self._client_tunnels.setdefault(client.id, []).append(server.id)
+        if not verdict.intercept:
+            self.caps.watch_tunnel(client, verdict)
 
     def client_disconnected(self, client: connection.Client) -> None:
         self._approved.pop(client.id, None)
         for server_id in self._client_tunnels.pop(client.id, ()):
-            self._tunnels.pop(server_id, None)
+            tunnel = self._tunnels.pop(server_id, None)
+            if tunnel is not None and not tunnel.intercept:
+                self.audit.tunnel_line(tunnel, client)  # if its TCP flow did not already
 
     # ---- what runs inside a tunnel ---------------------------------------
 
@@ -205,8 +214,7 @@ class EgressGate:
     def tcp_start(self, flow: tcp.TCPFlow) -> None:
         tunnel = self._tunnels.get(flow.server_conn.id)
         if tunnel is not None:
-            # A fresh verdict per tunnel flow, so byte counts are its own.
-            flow.metadata[META] = Verdict(tunnel.host, tunnel.port, tunnel.decision, tunnel.profile, tunnel.rules)
+            flow.metadata[META] = tunnel  # one verdict per tunnel: its caps, counts and audit line
 
 
 def _intercepts(rules: Rules, host_text: str) -> bool:

@@ -66,5 +66,6 @@ class _DropThenSend:
     def __init__(self, body: bytes) -> None:
         self.body = body
 
-    def __call__(self, chunk: bytes) -> bytes:
-        return self.body if chunk == b"" else b""
+    def __call__(self, chunk: bytes) -> bytes | list[bytes]:
+        # [] sends nothing (b"" would be a zero-length chunk: an end of body).
+        return self.body if chunk == b"" else []

@@ -28,6 +28,7 @@ class Verdict:
     bytes_from_client: int = 0
     bytes_from_server: int = 0
     response_started: bool = False  # headers went to the client
+    wire_status: int | None = None  # a status mitmproxy itself sent instead of ours
     logged: bool = False
 
     @property

@@ -64,8 +64,11 @@ def match_client(
     password: str | None = None,
     verify=verify_password,
 ) -> ClientMatch:
-    """`verify(verifier, password) -> bool` is injectable so the edge can cache it."""
-    if username is not None:
+    """`verify(verifier, password) -> bool` is injectable so the edge can cache it.
+
+    Credentials count only when the policy defines users: an agent whose proxy
+    URL carries a habitual user:pass is not refused by a policy without users."""
+    if username is not None and any(profile.credentials for profile in policy.clients):
         found = _profile_for_user(policy, username)
         if found is None or password is None or not verify(found[1], password):
             return ClientMatch(policy.rules, None, Refusal(

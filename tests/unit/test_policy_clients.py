@@ -120,3 +120,12 @@ def test_verify_password_formats():
     assert verify_password(BOB_SHA, "bob-pw") and not verify_password(BOB_SHA, "bob")
     for bad in ("", "plain", "md5$1$00$00", "pbkdf2_sha256$10000$00"):
         assert not verify_password(bad, "x")
+
+
+def test_credentials_are_ignored_when_the_policy_defines_no_users():
+    from policy.loader import load_policy_text
+
+    plain = load_policy_text("version: 1\nclients:\n  - name: net\n    sources: [10.0.0.0/8]\n")
+    m = match_client(plain, "10.1.2.3", "someone", "anything")
+    assert m.refusal is None and m.profile == "net"
+    assert match_client(plain, "8.8.8.8", "someone", "x").refusal is None
