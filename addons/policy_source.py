@@ -46,6 +46,7 @@ class PolicySource:
         self._poller: asyncio.Task | None = None
         self._last_seen: tuple | None = None  # what the file looked like at the last check
         self._missing_reported = False
+        self.poll_seconds = 1.0
 
     def load(self, loader) -> None:
         loader.add_option(
@@ -53,11 +54,21 @@ class PolicySource:
             f"Path of Sluice's YAML egress policy (unset: {DEFAULT_POLICY}).",
         )
         loader.add_option(
-            "sluice_policy_poll", float, 1.0,
+            # mitmproxy options have no float type: seconds as text, e.g. "0.5".
+            "sluice_policy_poll", str, "1",
             "Seconds between checks of the policy file for changes (0 disables; SIGHUP always reloads).",
         )
 
     def configure(self, updated) -> None:
+        if "sluice_policy_poll" in updated:
+            try:
+                self.poll_seconds = float(ctx.options.sluice_policy_poll)
+                if self.poll_seconds < 0:
+                    raise ValueError
+            except ValueError:
+                raise exceptions.OptionsError(
+                    f"sluice_policy_poll must be a number of seconds (0 disables), not {ctx.options.sluice_policy_poll!r}"
+                ) from None
         if "sluice_policy" in updated and ctx.options.sluice_policy:
             path = ctx.options.sluice_policy
             try:
@@ -80,7 +91,7 @@ class PolicySource:
             asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, self.reload)
         except (NotImplementedError, RuntimeError, ValueError):
             pass  # not the main thread (embedded use): polling still works
-        if ctx.options.sluice_policy_poll > 0 and self._poller is None:
+        if self.poll_seconds > 0 and self._poller is None:
             self._poller = asyncio.ensure_future(self._poll())
 
     def done(self) -> None:
@@ -90,7 +101,7 @@ class PolicySource:
 
     async def _poll(self) -> None:
         while True:
-            await asyncio.sleep(ctx.options.sluice_policy_poll)
+            await asyncio.sleep(self.poll_seconds)
             try:
                 signature = _signature(ctx.options.sluice_policy)
                 if signature != self._last_seen:

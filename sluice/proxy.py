@@ -54,7 +54,7 @@ async def _serve(policy: str, listen: tuple[str, int], modes: list[str], audit_l
         if sets:
             opts.set(*sets)
         opts.update(sluice_policy=policy)
-    except (exceptions.OptionsError, KeyError) as e:
+    except (exceptions.OptionsError, KeyError, ValueError, NotImplementedError) as e:
         message = e.args[0] if isinstance(e, KeyError) and e.args else e
         print(f"sluice: {message}", file=sys.stderr)
         return 2
