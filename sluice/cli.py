@@ -18,6 +18,8 @@ def _parser() -> argparse.ArgumentParser:
     proxy.add_argument("--audit-log", default="-", metavar="FILE", help="JSON audit lines: '-' for stdout (default) or a file")
     proxy.add_argument("--set", action="append", default=[], metavar="NAME=VALUE", dest="sets",
                        help="set any mitmproxy option, repeatable")
+    proxy.add_argument("--workers", type=int, default=1, metavar="N",
+                       help="run N proxy processes sharing the listening port (SO_REUSEPORT); default 1")
     proxy.add_argument("--ca-dir", default=None, metavar="DIR",
                        help="interception CA directory (default: $SLUICE_CA_DIR or ~/.sluice/ca)")
 
@@ -70,6 +72,21 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.command == "proxy" and args.workers != 1:
+        from sluice.proxy import parse_listen
+        from sluice.workers import supervise
+
+        if not 1 <= args.workers <= 64:
+            print("sluice: --workers takes a number from 1 to 64", file=sys.stderr)
+            return 2
+        try:
+            if parse_listen(args.listen)[1] == 0:
+                raise ValueError("--workers needs a fixed --listen port (workers share it)")
+        except ValueError as e:
+            print(f"sluice: {e}", file=sys.stderr)
+            return 2
+        worker_args = [a for a in (argv if argv is not None else sys.argv[1:])[1:]]
+        return supervise(args.workers, _without_workers(worker_args))
     if args.command == "proxy":
         from sluice.proxy import run
 
@@ -83,6 +100,18 @@ def main(argv: list[str] | None = None) -> int:
 
         return policy_cli.dispatch(args)
     return 2
+
+
+def _without_workers(args: list[str]) -> list[str]:
+    out, skip = [], False
+    for a in args:
+        if skip:
+            skip = False
+        elif a == "--workers":
+            skip = True
+        elif not a.startswith("--workers="):
+            out.append(a)
+    return out
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import sys
 
@@ -13,6 +14,7 @@ from mitmproxy.tools.dump import DumpMaster
 
 from addons.sluice_addon import make_addons
 from sluice.ca import ca_dir, ensure_ca
+from sluice.workers import REUSE_PORT_ENV, enable_reuse_port
 
 # mitmproxy defaults Sluice changes: no onboarding app (mitm.it would answer
 # inside the proxy), and quiet connection chatter (the audit log is the record).
@@ -79,4 +81,6 @@ def run(policy: str, listen: str, modes: list[str], audit_log: str, sets: list[s
         print(f"sluice: cannot prepare the CA directory {directory}: {e.strerror or e}", file=sys.stderr)
         return 2
     logging.getLogger("asyncio").setLevel(logging.WARNING)
+    if os.environ.get(REUSE_PORT_ENV) == "1":
+        enable_reuse_port()
     return asyncio.run(_serve(policy, address, modes, audit_log, sets, str(directory)))
