@@ -163,6 +163,7 @@ class EgressGate:
         intercept = _intercepts(client.rules, host)
         verdict = Verdict(host, port, decision, client.profile, client.rules, intercept=intercept)
         self._remember_tunnel(data.client, server, verdict)
+        self._approved.setdefault(data.client.id, {})[(decision.address, port)] = client.rules
         server.address = (decision.address, port)  # pin
         if intercept and isinstance(decision.host, NameHost):
             server.sni = decision.host.name
