@@ -14,6 +14,7 @@ from __future__ import annotations
 import re
 import socket
 from dataclasses import dataclass
+from functools import lru_cache
 
 import idna
 
@@ -46,8 +47,10 @@ _ASCII_LABEL = re.compile(r"^[a-z0-9_](?:[a-z0-9_-]{0,61}[a-z0-9_])?$")
 _MAX_NAME = 253
 
 
+@lru_cache(maxsize=8192)
 def parse_host(raw: str) -> Host:
-    """Read host text as an IP address or a DNS name; raise HostError otherwise."""
+    """Read host text as an IP address or a DNS name; raise HostError otherwise.
+    (Cached: it is pure, and agents ask for the same hosts again and again.)"""
     if not isinstance(raw, str) or not raw:
         raise HostError("the host is empty")
     text = raw
@@ -170,15 +173,24 @@ INTERNAL_SUFFIXES: tuple[str, ...] = (
 )
 
 
+_INTERNAL_SUFFIX_SET = frozenset(INTERNAL_SUFFIXES)
+
+
+@lru_cache(maxsize=8192)
 def internal_name(name: str) -> str | None:
-    """Why this normalised name is internal (a short phrase), or None."""
+    """Why this normalised name is internal (a short phrase), or None.
+    Walks the name's own suffixes: a few set probes, whatever the list size."""
     if name in INTERNAL_NAMES:
         return "a reserved internal name"
     if "." not in name:
         return "a single-label name (resolved through local search domains)"
     if name.startswith("kubernetes.default."):
         return "a Kubernetes service name"
-    for suffix in INTERNAL_SUFFIXES:
-        if name == suffix or name.endswith("." + suffix):
+    suffix = name
+    while True:
+        if suffix in _INTERNAL_SUFFIX_SET:
             return f"an internal name (*.{suffix})"
-    return None
+        dot = suffix.find(".")
+        if dot < 0:
+            return None
+        suffix = suffix[dot + 1 :]
