@@ -519,11 +519,10 @@ def _scan(root: yaml.Node, file: str, what: str = "policy") -> list[Problem]:
     return problems
 
 
-def load_policy_text(text: str, file: str = "<policy>", read_secret: Callable[[str], str] | None = None) -> Policy:
-    """Parse and validate; raise PolicyInvalid with every problem found."""
-    reader = _Reader(file, read_secret)
-    if len(text.encode("utf-8", "surrogatepass")) > MAX_POLICY_BYTES:
-        raise PolicyInvalid([Problem(file, 1, 1, f"the policy is larger than {MAX_POLICY_BYTES // 2**20} MiB; refusing to parse it")])
+def compose_checked(text: str, file: str, what: str = "policy", *, null_is_empty: bool = True) -> yaml.Node:
+    """YAML text -> node tree, safely (SafeLoader, nothing constructed yet);
+    syntax errors, deep nesting and emptiness raise PolicyInvalid, and then
+    `_scan` refuses tags, merge keys and alias bombs in the tree."""
     try:
         root = yaml.compose(text, Loader=yaml.SafeLoader)
     except yaml.MarkedYAMLError as e:
@@ -533,9 +532,19 @@ def load_policy_text(text: str, file: str = "<policy>", read_secret: Callable[[s
     except yaml.YAMLError as e:
         raise PolicyInvalid([Problem(file, 1, 1, f"YAML: {e}")]) from None
     except RecursionError:
-        raise PolicyInvalid([Problem(file, 1, 1, "the policy nests lists or mappings too deeply; refusing it")]) from None
-    if root is None or (isinstance(root, yaml.ScalarNode) and root.tag == _YAML + "null"):  # nothing, `---` or `~`
-        raise PolicyInvalid([Problem(file, 1, 1, "the policy is empty; it needs at least `version: 1`")])
+        raise PolicyInvalid([Problem(file, 1, 1, f"the {what} nests lists or mappings too deeply; refusing it")]) from None
+    if root is None or (null_is_empty and isinstance(root, yaml.ScalarNode) and root.tag == _YAML + "null"):  # nothing, `---` or `~`
+        hint = "; it needs at least `version: 1`" if what == "policy" else ""
+        raise PolicyInvalid([Problem(file, 1, 1, f"the {what} is empty{hint}")])
+    return root
+
+
+def load_policy_text(text: str, file: str = "<policy>", read_secret: Callable[[str], str] | None = None) -> Policy:
+    """Parse and validate; raise PolicyInvalid with every problem found."""
+    reader = _Reader(file, read_secret)
+    if len(text.encode("utf-8", "surrogatepass")) > MAX_POLICY_BYTES:
+        raise PolicyInvalid([Problem(file, 1, 1, f"the policy is larger than {MAX_POLICY_BYTES // 2**20} MiB; refusing to parse it")])
+    root = compose_checked(text, file)
     problems = _scan(root, file)
     if problems:
         raise PolicyInvalid(sorted(problems, key=lambda p: (p.line, p.col)))

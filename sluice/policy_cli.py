@@ -30,9 +30,10 @@ from addons.resolver import DnsFailure, PinnedResolver, Resolution, StaticResolv
 from policy.clients import match_client
 from policy.decide import Decision, Destination
 from policy.hosts import HostError, IPHost, internal_name, parse_host
-from policy.loader import MAX_POLICY_BYTES, PolicyInvalid, Problem, _scan, hash_password, load_policy_file
+from policy.loader import MAX_POLICY_BYTES, PolicyInvalid, Problem, _scan, compose_checked, hash_password, load_policy_file
 from policy.model import DnsSettings, Policy, Rules
 from policy.reasons import Reason
+from policy.urls import split_url
 
 EXIT_OK = 0
 EXIT_INVALID = 1  # invalid policy or cases file; failed test cases
@@ -129,15 +130,7 @@ def check(path: str) -> int:
 
 # ---- URLs, --resolve, --method ---------------------------------------------
 
-_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*):")
-_PORT_LIKE = re.compile(r"^[0-9]+(?:[/?#]|$)")
-_DIGITS = re.compile(r"^[0-9]+$")
 _METHOD = re.compile(r"^[A-Za-z][A-Za-z-]{0,31}$")
-DEFAULT_PORTS = {"http": 80, "https": 443, "ws": 80, "wss": 443, "ftp": 21, "gopher": 70}
-# Schemes whose URLs treat a backslash like a slash (WHATWG "special"
-# schemes; urllib3 parses the same way), so `http://a.example\@b.example/`
-# connects to a.example.
-_SPECIAL = frozenset({"http", "https", "ws", "wss", "ftp"})
 
 
 def parse_method(method: str | None) -> str:
@@ -149,54 +142,15 @@ def parse_method(method: str | None) -> str:
 
 
 def parse_url(url: str, method: str = "GET") -> Destination:
-    """A URL as the proxy would see it, as a Destination for decide().
-
-    Deliberately not normalised: the host is the raw text between the last
-    '@' and the port, so every odd spelling (0x7f.1, [::1], full-width
-    letters, percent-encoding) reaches policy.hosts.parse_host untouched.
+    """A URL as the proxy would see it, as a Destination for decide()
+    (policy.urls.split_url: the host text reaches policy.hosts untouched).
     Raises UsageError for text that is not a URL at all."""
-    if not url:
-        raise UsageError("the URL is empty")
-    if any(ord(c) < 0x21 or ord(c) == 0x7F for c in url):
-        raise UsageError(f"{url!r} contains whitespace or control characters")
-    m = _SCHEME.match(url)
-    if not m or _PORT_LIKE.match(url[m.end():]):
-        raise UsageError(f"{url!r} is not an absolute URL; write it as http://host/path or https://host/path")
-    scheme = m.group(1)
-    lower = scheme.lower()
-    rest = url[m.end():]
-    if not rest.startswith("//"):
-        if lower in ("http", "https"):
-            raise UsageError(f"{url!r} has no //host after {scheme}:")
-        # mailto:, data:, javascript: ... refused by the policy (scheme_not_allowed)
-        return Destination(host="", port=DEFAULT_PORTS.get(lower, 0), scheme=scheme, method=method)
-    after = rest[2:]
-    delimiters = "/?#\\" if lower in _SPECIAL else "/?#"
-    end = next((i for i, c in enumerate(after) if c in delimiters), len(after))
-    netloc = after[:end]
-    has_credentials = "@" in netloc
-    hostport = netloc.rpartition("@")[2]
-    if hostport.startswith("["):
-        close = hostport.find("]")
-        if close < 0:
-            raise UsageError(f"{url!r} has an unclosed '[' in its host")
-        host, tail = hostport[: close + 1], hostport[close + 1 :]
-        if tail and not tail.startswith(":"):
-            raise UsageError(f"{url!r} has text after ']' that is not a :port")
-        port_text = tail[1:] if tail else ""
-    else:
-        if hostport.count(":") > 1:
-            raise UsageError(f"{url!r}: an IPv6 address in a URL must be in brackets, e.g. http://[2001:db8::1]/")
-        host, _, port_text = hostport.partition(":")
-    if port_text:
-        if not _DIGITS.match(port_text):
-            raise UsageError(f"{url!r} has an invalid port {port_text!r}")
-        port = int(port_text)
-    else:
-        port = DEFAULT_PORTS.get(lower, 0)
-    if not host and lower in ("http", "https"):
-        raise UsageError(f"{url!r} has no host")
-    return Destination(host=host, port=port, scheme=scheme, method=method, has_credentials=has_credentials)
+    try:
+        target = split_url(url)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    return Destination(host=target.host, port=target.port, scheme=target.scheme, method=method,
+                       has_credentials=target.has_credentials)
 
 
 def resolve_name(text: str) -> str:
@@ -513,18 +467,7 @@ def load_cases(path: str, policy: Policy) -> list[Case]:
         raise PolicyInvalid([Problem(path, 1, 1, f"cannot read the cases file: {e.strerror or e}")]) from None
     except UnicodeDecodeError as e:
         raise PolicyInvalid([Problem(path, 1, 1, f"the cases file is not UTF-8 text ({e.reason} at byte {e.start})")]) from None
-    try:
-        root = yaml.compose(text, Loader=yaml.SafeLoader)
-    except yaml.MarkedYAMLError as e:
-        mark = e.problem_mark or e.context_mark
-        line, col = (mark.line + 1, mark.column + 1) if mark else (1, 1)
-        raise PolicyInvalid([Problem(path, line, col, f"YAML syntax: {e.problem or e.context}")]) from None
-    except yaml.YAMLError as e:
-        raise PolicyInvalid([Problem(path, 1, 1, f"YAML: {e}")]) from None
-    except RecursionError:
-        raise PolicyInvalid([Problem(path, 1, 1, "the cases file nests too deeply")]) from None
-    if root is None:
-        raise PolicyInvalid([Problem(path, 1, 1, "the cases file is empty")])
+    root = compose_checked(text, path, "cases file", null_is_empty=False)  # `~` is "no cases"
     problems = _scan(root, path, "cases file")
     if problems:
         raise PolicyInvalid(problems)
