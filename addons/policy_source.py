@@ -146,6 +146,11 @@ class PolicySource:
         old = self.current
         resolver = old.resolver if old and old.policy.dns == policy.dns else PinnedResolver(policy.dns)
         self.current = LivePolicy(policy, resolver, (old.generation + 1) if old else 1, digest)
+        # mitmproxy's per-connection idle watchdog reads tcp_timeout when a
+        # connection opens; keep it equal to the policy's idle_timeout.
+        idle = max(1, round(policy.rules.limits.idle_timeout))
+        if ctx.options.tcp_timeout != idle:
+            ctx.options.update(tcp_timeout=idle)
         return self.current
 
 

@@ -478,3 +478,15 @@ def test_proxy_authorization_and_hop_by_hop_headers_are_not_forwarded(proxy, spe
     seen = r.json()["headers"]
     for name in ("proxy-authorization", "keep-alive", "proxy-connection", "x-secret"):
         assert name not in seen
+
+
+def test_idle_client_connections_are_closed_at_idle_timeout(sluice_factory, special):
+    idle = sluice_factory(caps_policy(idle_timeout="2s"), name="idle")
+    with socket.create_connection(idle.address, timeout=15) as s:
+        s.sendall(b"GET http://special.example/ok HTTP/1.1\r\nHost: special.example\r\n\r\n")
+        first = s.recv(65536)
+        assert first.startswith(b"HTTP/1.1 200")
+        started = time.time()
+        while s.recv(65536):
+            pass  # the proxy closes the idle keep-alive connection
+        assert 1.5 <= time.time() - started < 8
