@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 
-from mitmproxy import connection, http, tcp
+from mitmproxy import connection, http
 from mitmproxy.net.http import status_codes
 from mitmproxy.proxy.server_hooks import ServerConnectionHookData
 
@@ -179,28 +179,27 @@ class Caps:
         )
         self._tunnel_deadlines.setdefault(client.id, []).append(handle)
 
-    def tcp_message(self, flow: tcp.TCPFlow) -> None:
-        message = flow.messages[-1]
-        flow.messages.clear()  # keep memory flat however long the tunnel runs
-        verdict = verdict_of(flow)
-        if verdict is None:
-            return
-        if verdict.cap is not None:
-            message.content = b""
-            return
+    def meter_tunnel(self, client: connection.Client, server: connection.Server, verdict: Verdict) -> None:
+        """Count a passed-through tunnel's bytes in each direction and cut it
+        at `tunnel_max_bytes` (the byte that would pass the cap never goes out)."""
         cap = verdict.limits.tunnel_max_bytes
-        if message.from_client:
-            verdict.bytes_from_client += len(message.content)
-            total = verdict.bytes_from_client
-        else:
-            verdict.bytes_from_server += len(message.content)
-            total = verdict.bytes_from_server
-        if cap is not None and total > cap:
-            message.content = message.content[: max(0, len(message.content) - (total - cap))]
-            asyncio.get_running_loop().call_soon(
-                self.cut_tunnel, flow.client_conn, verdict,
-                Refusal(Reason.TUNNEL_TOO_LARGE, f"the tunnel carried more than this policy's {_size(cap)} cap in one direction"),
-            )
+        loop = asyncio.get_running_loop()
+
+        def meter(from_client: bool, n: int) -> int:
+            if verdict.cap is not None:
+                return 0
+            before = verdict.bytes_from_client if from_client else verdict.bytes_from_server
+            allowed = n if cap is None else max(0, min(n, cap - before))
+            if from_client:
+                verdict.bytes_from_client += allowed
+            else:
+                verdict.bytes_from_server += allowed
+            if allowed < n:
+                loop.call_soon(self.cut_tunnel, client, verdict, Refusal(
+                    Reason.TUNNEL_TOO_LARGE, f"the tunnel carried more than this policy's {_size(cap)} cap in one direction"))
+            return allowed
+
+        connections.meter_server(client, server, meter)
 
     def cut_tunnel(self, client: connection.Client, verdict: Verdict, refusal: Refusal) -> None:
         if verdict.cap is not None or verdict.logged:

@@ -18,7 +18,7 @@
 
 from __future__ import annotations
 
-from mitmproxy import connection, http, tcp
+from mitmproxy import connection, http
 from mitmproxy.net.http import url as mitm_url
 from mitmproxy.proxy import layer, layers
 from mitmproxy.proxy.layers import modes
@@ -210,12 +210,14 @@ class EgressGate:
         if tunnel is not None and tunnel.intercept:
             return  # mitmproxy's own choice: TLS interception, then HTTP
         del stack[cut:]
-        nextlayer.layer = layers.TCPLayer(context, ignore=False)
+        # ignore=True: no TCP flow and no per-chunk hooks (mitmproxy's tunnel
+        # speed); Caps meters the bytes at the server socket instead.
+        nextlayer.layer = layers.TCPLayer(context, ignore=True)
 
-    def tcp_start(self, flow: tcp.TCPFlow) -> None:
-        tunnel = self._tunnels.get(flow.server_conn.id)
-        if tunnel is not None:
-            flow.metadata[META] = tunnel  # one verdict per tunnel: its caps, counts and audit line
+    def server_connected(self, data: ServerConnectionHookData) -> None:
+        tunnel = self._tunnels.get(data.server.id)
+        if tunnel is not None and not tunnel.intercept:
+            self.caps.meter_tunnel(data.client, data.server, tunnel)
 
 
 def _intercepts(rules: Rules, host_text: str) -> bool:
