@@ -490,3 +490,18 @@ def test_idle_client_connections_are_closed_at_idle_timeout(sluice_factory, spec
         while s.recv(65536):
             pass  # the proxy closes the idle keep-alive connection
         assert 1.5 <= time.time() - started < 8
+
+
+def test_profile_strips_named_request_headers(intercept_proxy, special):
+    def headers_seen(source: str) -> list[str]:
+        with socket.create_connection(intercept_proxy.address, timeout=10, source_address=(source, 0)) as s:
+            s.sendall(b"GET http://special.example/h HTTP/1.1\r\nHost: special.example\r\n"
+                      b"Cookie: session=secret\r\nX-Keep: 1\r\nConnection: close\r\n\r\n")
+            data = b""
+            while chunk := s.recv(65536):
+                data += chunk
+        return json.loads(data.split(b"\r\n\r\n", 1)[1])["headers"]
+
+    stripped = headers_seen("127.0.0.2")  # the `strict` profile strips Cookie
+    assert "cookie" not in stripped and "x-keep" in stripped
+    assert "cookie" in headers_seen("127.0.0.1")  # the top level does not
