@@ -26,8 +26,11 @@ test: venv
 unit: venv
 	$(VENV)/bin/pytest -q -m 'not netns' $(PYTEST_ARGS)
 
+# Installs nginx, wrk and tinyproxy first if missing (there is no package
+# registry inside the namespace). BENCH_ARGS=--quick for shorter runs.
 bench: venv
-	scripts/in-netns.sh $(PY) -m bench
+	$(PY) -m bench deps
+	scripts/in-netns.sh $(PY) -m bench $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

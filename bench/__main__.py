@@ -1,0 +1,69 @@
+"""`python -m bench [--quick]`: the comparison (inside the namespace: `make bench`).
+
+    python -m bench            full run (about 5 minutes), inside scripts/in-netns.sh
+    python -m bench --quick    shorter runs (about 1.5 minutes)
+    python -m bench micro      the decision microbenchmark only; no namespace needed
+    python -m bench deps       install nginx-light, wrk and tinyproxy if missing
+                               (as root, outside the namespace: `make bench` does it)
+    python -m bench profile    cProfile of Sluice and mitmdump under the 16-connection
+                               load, top functions (inside the namespace)
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("command", nargs="?", default="run", choices=["run", "micro", "deps", "profile"])
+    p.add_argument("--quick", action="store_true", help="shorter runs, rougher numbers")
+    p.add_argument("--out", type=Path, default=RESULTS, help="where latest.md and latest.json go (default: %(default)s)")
+    p.add_argument("--seconds", type=float, default=10.0, help="profile: seconds of load per proxy")
+    args = p.parse_args(argv)
+
+    if args.command == "deps":
+        from bench import deps
+
+        return deps.ensure()
+    if args.command == "micro":
+        import json
+
+        from bench import micro
+
+        results = micro.main(quick=args.quick)
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "micro.json").write_text(json.dumps(results, indent=2) + "\n")
+        return 0
+    if args.command == "profile":
+        from bench import profile
+
+        return profile.main(args.seconds)
+
+    from bench import report, run
+
+    try:
+        results = run.run(run.Settings(quick=args.quick), log=lambda m: print(m, file=sys.stderr, flush=True))
+    except run.NotInNamespace as e:
+        print(f"bench: {e}", file=sys.stderr)
+        return 2
+    except RuntimeError as e:
+        print(f"bench: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("bench: interrupted; every process it started was stopped", file=sys.stderr)
+        return 130
+    md, js = report.write(results, args.out)
+    print()
+    print(report.markdown(results))
+    print(f"bench: wrote {md} and {js}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,163 @@
+"""The things compared: the origin directly, plain mitmdump, Sluice with two
+policies, and tinyproxy. Each proxy is its own process on its own port."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from bench import procs
+from bench.origin import HOST as ORIGIN_IP
+
+LISTEN = "127.0.0.1"
+NAME = "public.example"  # resolves to the origin (fake DNS for Sluice, a hosts file for the others)
+VENV_BIN = Path(sys.executable).parent
+
+# Plain mitmdump as the brief runs it: no addon, no onboarding app, quiet log,
+# eager upstream connections (mitmproxy's default, spelled out), and no
+# per-flow console lines (flow_detail=0: Sluice runs without the dumper too).
+MITMDUMP_SETS = ["onboarding=false", "termlog_verbosity=warn", "connection_strategy=eager", "flow_detail=0"]
+
+
+@dataclass
+class Contender:
+    key: str
+    label: str
+    port: int | None = None  # None: the origin itself
+    roles: frozenset[str] = frozenset({"http", "tunnel", "idle"})
+    proc: procs.Proc | None = None
+    error: str | None = None  # why this contender is n/a
+    url_host: str = NAME  # what goes into the request line / CONNECT
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def proxy(self) -> tuple[str, int] | None:
+        return (LISTEN, self.port) if self.port is not None else None
+
+    @property
+    def target(self) -> str:
+        return f"http://{LISTEN}:{self.port}" if self.port is not None else f"http://{ORIGIN_IP}:80"
+
+    def rss_kib(self) -> int | None:
+        return self.proc.rss_kib() if self.proc is not None else None
+
+    def cpu_seconds(self) -> float | None:
+        return self.proc.cpu_seconds() if self.proc is not None else None
+
+
+def all_contenders() -> list[Contender]:
+    return [
+        Contender("direct", "direct to nginx (no proxy)", None, frozenset({"http", "tunnel"})),
+        Contender("mitmdump", "mitmdump (plain, no addon)", 18080),
+        Contender("mitmdump-tcp", "mitmdump, tunnels as TCP flows (tcp_hosts=.*)", 18085, frozenset({"tunnel", "idle"})),
+        Contender("sluice", "Sluice, default policy", 18081),
+        Contender("sluice-10k", "Sluice, 10k patterns + 1k CIDRs", 18082),
+        Contender("tinyproxy", "tinyproxy (reference)", 18083),
+    ]
+
+
+# ---- name resolution for the proxies that use the system resolver ----------
+
+def hosts_wrapper(root: Path) -> list[str] | None:
+    """argv prefix that runs a command with /etc/hosts replaced (in a private
+    mount namespace) by one naming public.example -> 8.8.8.8, so mitmdump and
+    tinyproxy can be sent the same requests as Sluice. None if that is not
+    possible here (then they are sent the IP literal)."""
+    hosts = root / "hosts"
+    hosts.write_text(f"127.0.0.1 localhost\n::1 localhost\n{ORIGIN_IP} {NAME}\n")
+    hosts.chmod(0o644)
+    unshare = shutil.which("unshare")
+    if unshare is None:
+        return None
+    prefix = [unshare, "-m", "--", "sh", "-c", 'mount --bind "$0" /etc/hosts && exec "$@"', str(hosts)]
+    try:
+        done = procs.run(prefix + ["getent", "hosts", NAME], timeout=10)
+    except subprocess.TimeoutExpired:
+        return None
+    return prefix if done.returncode == 0 and ORIGIN_IP in done.stdout else None
+
+
+# ---- starting ---------------------------------------------------------------
+
+def start(c: Contender, root: Path, policies: dict[str, Path], wrapper: list[str] | None,
+          cpus: set[int] | None = None) -> None:
+    """Start one contender's process, wait for its port and pin it to cpus;
+    on failure set c.error (the contender is then reported n/a) instead of raising."""
+    if c.port is None:
+        return
+    try:
+        if c.key.startswith("mitmdump"):
+            _start_mitmdump(c, root, wrapper)
+        elif c.key.startswith("sluice"):
+            _start_sluice(c, root, policies["large" if c.key == "sluice-10k" else "default"])
+        elif c.key == "tinyproxy":
+            _start_tinyproxy(c, root, wrapper)
+        c.proc.wait_port(LISTEN, c.port, timeout=30)
+        if cpus:
+            procs.pin(c.proc.pid, cpus)
+    except (procs.StartError, OSError) as e:
+        c.error = f"did not start: {e}"
+        if c.proc is not None:
+            c.proc.stop()
+
+
+def _confdir(root: Path) -> str:
+    d = root / "mitmproxy-conf"  # the CA mitmproxy creates at start stays in the run's temp dir
+    d.mkdir(exist_ok=True)
+    return str(d)
+
+
+def _start_mitmdump(c: Contender, root: Path, wrapper: list[str] | None) -> None:
+    exe = VENV_BIN / "mitmdump"
+    if not exe.exists():
+        raise procs.StartError(f"{exe} not found")
+    argv = [str(exe), "--listen-host", LISTEN, "--listen-port", str(c.port)]
+    for s in MITMDUMP_SETS + [f"confdir={_confdir(root)}"]:
+        argv += ["--set", s]
+    if c.key == "mitmdump-tcp":
+        argv += ["--set", "tcp_hosts=.*"]
+    else:
+        # A CONNECT tunnel passed through untouched: how plain mitmproxy carries
+        # traffic it is told not to intercept (mitmdump-tcp shows the TCP-flow way).
+        argv += ["--set", "ignore_hosts=.*"]
+    if wrapper is None:
+        c.url_host = ORIGIN_IP
+        c.notes.append("sent the IP literal (no private /etc/hosts possible here)")
+    c.proc = procs.Proc(c.key, (wrapper or []) + argv, root / f"{c.key}.log").start()
+
+
+def _start_sluice(c: Contender, root: Path, policy: Path) -> None:
+    exe = VENV_BIN / "sluice"
+    argv = [str(exe), "proxy", "--policy", str(policy), "--listen", f"{LISTEN}:{c.port}",
+            "--audit-log", str(root / f"audit-{c.key}.jsonl"), "--set", f"confdir={_confdir(root)}"]
+    if not exe.exists():
+        argv = [sys.executable, "-m", "sluice.cli"] + argv[1:]
+    c.proc = procs.Proc(c.key, argv, root / f"{c.key}.log").start()
+
+
+def _start_tinyproxy(c: Contender, root: Path, wrapper: list[str] | None) -> None:
+    exe = shutil.which("tinyproxy") or ("/usr/bin/tinyproxy" if os.path.exists("/usr/bin/tinyproxy") else None)
+    if exe is None:
+        raise procs.StartError("tinyproxy is not installed (`python -m bench deps` installs it, outside the namespace)")
+    conf = root / "tinyproxy.conf"
+    conf.write_text(textwrap.dedent(f"""\
+        Port {c.port}
+        Listen {LISTEN}
+        Timeout 600
+        MaxClients 2048
+        LogFile "{root}/tinyproxy-own.log"
+        LogLevel Error
+        PidFile "{root}/tinyproxy.pid"
+        Allow 127.0.0.1
+        XTinyproxy No
+        DisableViaHeader Yes
+    """))
+    if wrapper is None:
+        c.url_host = ORIGIN_IP
+        c.notes.append("sent the IP literal (no private /etc/hosts possible here)")
+    c.proc = procs.Proc(c.key, (wrapper or []) + [exe, "-d", "-c", str(conf)], root / f"{c.key}.log").start()

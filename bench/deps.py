@@ -1,0 +1,61 @@
+"""Installs the benchmark's outside tools from Debian's packages when missing.
+
+Runs outside the namespace (there is no package registry inside it); `make
+bench` calls it first. Never fails the build: a tool still missing makes its
+contender n/a in the report.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+PACKAGES = {"nginx": "nginx-light", "wrk": "wrk", "tinyproxy": "tinyproxy"}
+POLICY_RC = Path("/usr/sbin/policy-rc.d")  # tells Debian packages not to start their services
+
+
+def _have(tool: str) -> bool:
+    return shutil.which(tool) is not None or Path("/usr/sbin", tool).exists() or Path("/usr/bin", tool).exists()
+
+
+def missing() -> list[str]:
+    return [pkg for tool, pkg in PACKAGES.items() if not _have(tool)]
+
+
+def ensure() -> int:
+    need = missing()
+    if not need:
+        return 0
+    if os.environ.get("SLUICE_NETNS") == "1":
+        print(f"bench: missing {' '.join(need)}; cannot install inside the namespace (run `make bench`)", file=sys.stderr)
+        return 0
+    if os.geteuid() != 0 or not shutil.which("apt-get"):
+        print(f"bench: missing {' '.join(need)}; install them (apt-get install {' '.join(need)}) "
+              "or those contenders are reported n/a", file=sys.stderr)
+        return 0
+    print(f"bench: installing {' '.join(need)}", file=sys.stderr)
+    env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
+    # The benchmark runs its own nginx and tinyproxy; the packages' system
+    # services must not start (and listen on :80 / :8888) on the host.
+    made_policy_rc = False
+    if not POLICY_RC.exists():
+        POLICY_RC.write_text("#!/bin/sh\n# temporary, written by `python -m bench deps`\nexit 101\n")
+        POLICY_RC.chmod(0o755)
+        made_policy_rc = True
+    try:
+        install = ["apt-get", "install", "-y", "-q", "--no-install-recommends", *need]
+        if subprocess.run(install, env=env, timeout=600).returncode != 0:
+            subprocess.run(["apt-get", "update", "-q"], env=env, timeout=600)
+            subprocess.run(install, env=env, timeout=600)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        print(f"bench: apt-get failed: {e}", file=sys.stderr)
+    finally:
+        if made_policy_rc:
+            POLICY_RC.unlink(missing_ok=True)
+    still = missing()
+    if still:
+        print(f"bench: still missing {' '.join(still)}; those contenders will be n/a", file=sys.stderr)
+    return 0

@@ -1,0 +1,107 @@
+"""The decision microbenchmark: policy.decide.check_request followed by
+check_answers (the DNS answer already in hand), in µs per decision.
+
+Pure computation, no sockets: runs anywhere (`python -m bench micro`).
+"""
+
+from __future__ import annotations
+
+import gc
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+TARGET_US = 20.0
+
+# (label, host, port, scheme, method, answers)
+CASES = [
+    ("name", "public.example", 80, "http", "GET", ("8.8.8.8",)),
+    ("deep name", "a.b.c.d.e.public.example", 443, None, "CONNECT", ("8.8.8.8",)),
+    ("IP literal", "8.8.8.8", 80, "http", "GET", ()),
+]
+
+
+def _decide_once(check_request, check_answers, rules, dest, answers):
+    d = check_request(rules, dest)
+    if d.needs_dns:
+        d = check_answers(rules, d, answers)
+    return d
+
+
+def time_case(rules, dest, answers, *, iterations: int, rounds: int) -> dict:
+    from policy.decide import check_answers, check_request
+
+    d = _decide_once(check_request, check_answers, rules, dest, answers)
+    if not d.allowed:
+        raise RuntimeError(f"refused: {d.refusal.reason.value}")
+    for _ in range(min(iterations, 2000)):  # warm caches (lru_caches in host parsing, if any)
+        _decide_once(check_request, check_answers, rules, dest, answers)
+    per_round = []
+    gc_was = gc.isenabled()
+    gc.disable()
+    try:
+        for _ in range(rounds):
+            t0 = time.perf_counter_ns()
+            for _ in range(iterations):
+                d = check_request(rules, dest)
+                if d.needs_dns:
+                    d = check_answers(rules, d, answers)
+            per_round.append((time.perf_counter_ns() - t0) / iterations / 1000.0)
+    finally:
+        if gc_was:
+            gc.enable()
+    return {"median_us": statistics.median(per_round), "min_us": min(per_round),
+            "max_us": max(per_round), "rounds": rounds, "iterations": iterations}
+
+
+def run(policy_files: dict[str, Path] | None = None, *, quick: bool = False) -> dict:
+    """{policy label: {case label: timings}}; policy_files maps label -> path."""
+    from policy.decide import Destination
+    from policy.loader import load_policy_file
+
+    from bench import policies
+
+    iterations, rounds = (3000, 5) if quick else (5000, 15)
+    with tempfile.TemporaryDirectory(prefix="sluice-bench-micro-") as tmp:
+        if policy_files is None:
+            policy_files = policies.write_all(Path(tmp))
+        out: dict[str, dict] = {}
+        for label, path in policy_files.items():
+            t0 = time.perf_counter()
+            policy = load_policy_file(path)
+            load_s = time.perf_counter() - t0
+            rules = policy.rules
+            results = {}
+            for case, host, port, scheme, method, answers in CASES:
+                dest = Destination(host=host, port=port, scheme=scheme, method=method)
+                try:
+                    results[case] = time_case(rules, dest, answers, iterations=iterations, rounds=rounds)
+                except Exception as e:  # reported, not fatal
+                    results[case] = {"error": f"{type(e).__name__}: {e}"}
+            out[label] = {"cases": results, "load_seconds": round(load_s, 3),
+                          "allow_entries": len(rules.allow) if rules.allow is not None else 0,
+                          "deny_entries": len(rules.deny)}
+    return out
+
+
+def table(results: dict) -> list[str]:
+    if not results or "error" in results:
+        return [f"n/a ({(results or {}).get('error', 'not run')})"]
+    labels = {"default": "default policy", "large": "10k patterns + 1k CIDRs"}
+    cases = [c[0] for c in CASES]
+    lines = ["| Decision (check_request + check_answers) | " + " | ".join(cases) + " | policy load |",
+             "|---|" + "---:|" * len(cases) + "---:|"]
+    for label, r in results.items():
+        cells = []
+        for case in cases:
+            t = r["cases"].get(case, {})
+            cells.append(f"n/a ({t['error']})" if "error" in t else f"{t['median_us']:.1f} µs (min {t['min_us']:.1f})")
+        lines.append(f"| {labels.get(label, label)} | " + " | ".join(cells) + f" | {r['load_seconds']:.2f} s |")
+    return lines
+
+
+def main(quick: bool = False) -> dict:
+    results = run(quick=quick)
+    print("\n".join(table(results)))
+    return results

@@ -1,0 +1,222 @@
+"""Results -> a Markdown report (for README's Performance section) and JSON."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from bench import micro
+
+BASE = "mitmdump"
+ORDER = ["direct", "mitmdump", "sluice", "sluice-10k", "tinyproxy", "mitmdump-tcp"]
+
+# Targets from the issue.
+RPS_MIN = 0.90  # Sluice default req/s >= 90% of mitmdump's
+P50_MAX = 1.10  # Sluice default p50 <= +10% of mitmdump's
+LARGE_EXTRA = 0.05  # the 10k policy costs no more than 5% beyond the default policy
+TUNNEL_MIN = 0.90
+
+
+def _num(x: float) -> str:
+    return f"{x:,.0f}" if x >= 100 else f"{x:,.1f}"
+
+
+def _ms(x: float) -> str:
+    return f"{x:.2f} ms" if x < 10 else f"{x:.1f} ms"
+
+
+def _ratio(x: float | None) -> str:
+    if x is None:
+        return "–"
+    return f"{x:.1f}×" if x >= 10 else f"{x:.2f}×" if x >= 0.1 else f"{x:.3f}×"
+
+
+def _cpu(us: float | None) -> str:
+    return "–" if us is None else f"{us:,.0f} µs"
+
+
+def _mib(kib: int | None) -> str:
+    return "–" if kib is None else f"{kib / 1024:.0f} MiB"
+
+
+def _label(results: dict, key: str) -> str:
+    c = results["contenders"].get(key, {})
+    label = c.get("label", key)
+    notes = c.get("notes") or []
+    return label + (f" ({'; '.join(notes)})" if notes else "")
+
+
+def _na(reason: str) -> str:
+    reason = " ".join(str(reason).split())
+    return f"n/a ({reason[:160]})"
+
+
+def http_table(results: dict) -> list[str]:
+    s = results["settings"]
+    lines = [
+        f"Plain HTTP through each proxy: absolute-form `GET http://public.example/1k` (1 KiB responses) on keep-alive "
+        f"connections, wrk {s['duration']:g} s per run after a {s['warmup']:g} s warm-up. mitmdump and both Sluices ran "
+        f"{s['rounds']} interleaved rounds, the references {s['side_rounds']}; values are medians over rounds, and each "
+        f"ratio is the median of same-round ratios against plain mitmdump. CPU per request: the proxy process's "
+        f"user+system time over a run divided by the requests it served.",
+        "",
+        "| Contender | Conns | req/s | vs mitmdump | p50 | vs mitmdump | p99 | CPU per request | vs mitmdump | RSS after |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for conns, rows in results["http"].items():
+        for key in ORDER:
+            if key not in rows:
+                continue
+            r = rows[key]
+            if "error" in r:
+                lines.append(f"| {_label(results, key)} | {conns} | {_na(r['error'])} | | | | | | | |")
+                continue
+                continue
+            one = key == BASE
+            extra = ""
+            if r.get("errors"):
+                closes = r.get("read_errors", 0)
+                extra = (" (closes every connection: no keep-alive)" if closes >= 0.9 * r["requests"]
+                         else f" ({r['errors']} socket errors)")
+            lines.append(
+                f"| {_label(results, key)} | {conns} | {_num(r['rps'])}{extra} | {_ratio(1.0 if one else r.get('rps_ratio'))} | "
+                f"{_ms(r['p50_ms'])} | {_ratio(1.0 if one else r.get('p50_ratio'))} | {_ms(r['p99_ms'])} | "
+                f"{_cpu(r.get('cpu_us_per_req'))} | {_ratio(1.0 if one else r.get('cpu_ratio')) if r.get('cpu_us_per_req') else '–'} | "
+                f"{_mib(r.get('rss_kib'))} |"
+            )
+    return lines
+
+
+def tunnel_table(results: dict) -> list[str]:
+    s = results["settings"]
+    n = s["idle_connections"]
+    lines = [
+        f"CONNECT tunnels: a {s['tunnel_bytes'] // 2**20} MiB download over plain HTTP inside the tunnel "
+        f"(curl --proxytunnel; median of {s['tunnel_rounds']} interleaved rounds, ratio: median of same-round ratios), "
+        f"and the RSS growth per idle tunnel: {n} tunnels are opened and held first (a fresh process reuses memory it had "
+        f"already freed), then the least-squares slope of RSS while {n} more are opened in 5 steps.",
+        "",
+        "| Contender | tunnel MB/s | vs mitmdump | RSS per idle tunnel | RSS at start |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for key in ORDER:
+        t = results["tunnel"].get(key)
+        i = results["idle"].get(key)
+        if t is None and i is None:
+            continue
+        if t is None:
+            tcell, rcell = "–", "–"
+        elif "error" in t:
+            tcell, rcell = _na(t["error"]), ""
+        else:
+            tcell = _num(t["mbps"])
+            rcell = _ratio(t.get("ratio"))
+        if i is None:
+            icell = "–"
+        elif "error" in i:
+            icell = _na(i["error"])
+        else:
+            icell = f"{i['kib_per_conn']:.1f} KiB" + (f" (over {i['opened']})" if i["opened"] != i["requested"] else "")
+        start = results["contenders"].get(key, {}).get("rss_start_kib")
+        lines.append(f"| {_label(results, key)} | {tcell} | {rcell} | {icell} | {_mib(start)} |")
+    return lines
+
+
+def targets(results: dict) -> list[tuple[str, str, bool | None]]:
+    out: list[tuple[str, str, bool | None]] = []
+    for conns, rows in results["http"].items():
+        s, l = rows.get("sluice", {}), rows.get("sluice-10k", {})
+        if s.get("rps_ratio") is not None and s.get("p50_ratio") is not None:
+            r, p = s["rps_ratio"], s["p50_ratio"]
+            out.append((f"Sluice default req/s ≥ {RPS_MIN:.0%} of mitmdump's ({conns} conns)", f"{r:.0%}", r >= RPS_MIN))
+            out.append((f"Sluice default p50 ≤ +{P50_MAX - 1:.0%} over mitmdump's ({conns} conns)", f"{p - 1:+.0%}", p <= P50_MAX))
+        else:
+            out.append((f"Sluice default vs mitmdump ({conns} conns)", "n/a", None))
+        if l.get("rps_vs_default") is not None and l.get("p50_vs_default") is not None:
+            r, p = l["rps_vs_default"], l["p50_vs_default"]
+            out.append((f"10k policy costs ≤ {LARGE_EXTRA:.0%} more than the default policy ({conns} conns)",
+                        f"req/s {r - 1:+.0%}, p50 {p - 1:+.0%}", r >= 1 - LARGE_EXTRA and p <= 1 + LARGE_EXTRA))
+        else:
+            out.append((f"10k policy vs default policy ({conns} conns)", "n/a", None))
+    t = results["tunnel"].get("sluice", {})
+    if t.get("ratio") is not None:
+        out.append((f"Sluice tunnel throughput ≥ {TUNNEL_MIN:.0%} of mitmdump's", f"{t['ratio']:.0%}", t["ratio"] >= TUNNEL_MIN))
+    else:
+        out.append(("Sluice tunnel throughput vs mitmdump", "n/a", None))
+    for label, name in (("default", "default policy"), ("large", "10k policy")):
+        case = ((results.get("micro") or {}).get(label) or {}).get("cases", {}).get("name", {})
+        if "median_us" in case:
+            out.append((f"One decision < {micro.TARGET_US:g} µs ({name})", f"{case['median_us']:.1f} µs",
+                        case["median_us"] < micro.TARGET_US))
+        else:
+            out.append((f"One decision < {micro.TARGET_US:g} µs ({name})", "n/a", None))
+    return out
+
+
+def target_table(results: dict) -> list[str]:
+    lines = ["| Target | Measured | Met |", "|---|---:|:---:|"]
+    for what, value, ok in targets(results):
+        lines.append(f"| {what} | {value} | {'n/a' if ok is None else 'yes' if ok else '**no**'} |")
+    return lines
+
+
+def machine_line(results: dict) -> str:
+    m = results["machine"]
+    return (f"Machine: {m['nproc']} CPUs ({m['cpu']}), {m['memory_gib']} GiB RAM, Linux {m['kernel']}; "
+            f"Python {m['python']}, mitmproxy {m['mitmproxy']}, {m['nginx']}, {m['wrk']}, {m['tinyproxy']}. "
+            f"Origin: {results.get('origin')}. {m['date']}.")
+
+
+def markdown(results: dict) -> str:
+    parts = [
+        "## Performance",
+        "",
+        machine_line(results),
+        "",
+        *http_table(results),
+        "",
+        *tunnel_table(results),
+        "",
+        "Policy decision alone (`check_request` + `check_answers`, DNS answer in hand), median of rounds:",
+        "",
+        *micro.table(results["micro"]),
+        "",
+        *target_table(results),
+    ]
+    notes = list(results.get("notes") or [])
+    for conns, rows in results["http"].items():
+        for key in ("mitmdump", "sluice", "sluice-10k"):
+            ups = [u for u in (rows.get(key, {}).get("upstream_conns_runs") or []) if u is not None]
+            if ups and max(ups) > 2 * int(conns):
+                notes.append(f"{_label(results, key)} opened up to {max(ups)} connections to the origin in a "
+                             f"{conns}-connection run: upstream keep-alive reuse is not working")
+        q = rows.get("_rounds")
+        if q and q["all"] > 1:
+            how = ("only those were used for the Sluice ratios" if q["ratios_from"] == "quiet"
+                   else "too few, so the ratios use every round")
+            notes.append(f"{conns} connections: {len(q['quiet'])} of {q['all']} rounds were quiet "
+                         f"(no run with ≥ 0.25 cores of other load); {how}")
+    runs = [x for rows in results["http"].values() for k, r in rows.items() if not k.startswith("_")
+            for x in r.get("foreign_cores_runs", []) if x is not None]
+    if runs:
+        runs.sort()
+        busy = sum(1 for x in runs if x >= 0.25)
+        notes.append(f"other processes on the machine (not this benchmark's) used {results.get('foreign_cores', 0):.2f} "
+                     f"cores on average over the whole run (and the hypervisor reported {results.get('steal_cores', 0):.2f} "
+                     f"cores stolen); during the request-rate runs a median {runs[len(runs) // 2]:.2f}, "
+                     f"at most {runs[-1]:.2f}" + (f" ({busy} of {len(runs)} runs had ≥ 0.25 cores of other load: "
+                                                  "treat single numbers with care)" if busy else ""))
+    if results.get("settings", {}).get("quick"):
+        notes.append("quick run (--quick): short runs, numbers are rough")
+    notes.append(f"the whole run took {results.get('seconds', 0):.0f} s; the fake DNS server answered "
+                 f"{results.get('dns_queries', 0)} queries")
+    parts += ["", *[f"- {n}" for n in notes]]
+    return "\n".join(parts) + "\n"
+
+
+def write(results: dict, out_dir: Path) -> tuple[Path, Path]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    md, js = out_dir / "latest.md", out_dir / "latest.json"
+    md.write_text(markdown(results), encoding="utf-8")
+    js.write_text(json.dumps(results, indent=2, default=str) + "\n", encoding="utf-8")
+    return md, js

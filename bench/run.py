@@ -1,0 +1,432 @@
+"""The whole benchmark, side by side in one run, inside the namespace.
+
+Order: decision microbenchmark (nothing else running), then the origin, the
+fake DNS server and every proxy start (each proxy pinned to one core, the
+load generator, origin and this process to the other); memory per idle
+tunnel on the fresh proxies; request rate and latency at each connection
+count, contenders interleaved and repeated in alternating order; tunnel
+downloads; stop all.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import resource
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from bench import contenders as C
+from bench import load, micro, origin, policies, procs
+from bench.fakedns import FakeDNS
+
+
+@dataclass(frozen=True)
+class Settings:
+    quick: bool = False
+
+    @property
+    def duration(self) -> float:  # seconds measured per wrk run
+        return 3 if self.quick else 4
+
+    @property
+    def warmup(self) -> float:  # one wrk run per contender and connection count before its rounds
+        return 1
+
+    @property
+    def rounds(self) -> int:
+        """Measured wrk runs of mitmdump and the two Sluices per connection
+        count, interleaved in alternating order: the machine's speed drifts,
+        so each Sluice run is compared with the mitmdump run next to it."""
+        return 1 if self.quick else 6
+
+    @property
+    def side_rounds(self) -> int:  # the same for the references (direct, tinyproxy)
+        return 1 if self.quick else 2
+
+    @property
+    def connections(self) -> tuple[int, ...]:
+        return (16, 128)
+
+    @property
+    def tunnel_bytes(self) -> int:
+        return (64 if self.quick else 256) * 2**20
+
+    @property
+    def tunnel_rounds(self) -> int:
+        return 1 if self.quick else 3
+
+    @property
+    def idle_connections(self) -> int:
+        return 100 if self.quick else 500
+
+
+class NotInNamespace(Exception):
+    pass
+
+
+def check_namespace() -> None:
+    """Refuse to send a single packet unless we are inside scripts/in-netns.sh's
+    namespace: only `lo`, holding the test addresses."""
+    if os.environ.get("SLUICE_NETNS") != "1":
+        raise NotInNamespace("not inside the benchmark namespace; run `make bench` "
+                             "(or scripts/in-netns.sh .venv/bin/python -m bench)")
+    names = sorted(n for _, n in socket.if_nameindex())
+    if names != ["lo"]:
+        raise NotInNamespace(f"this network namespace has interfaces {names}, not only lo; refusing to run")
+    for ip in (origin.HOST, "127.0.0.53"):
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            try:
+                s.bind((ip, 0))
+            except OSError:
+                raise NotInNamespace(f"{ip} is not a local address here; refusing to run") from None
+
+
+def machine() -> dict:
+    cpu = "unknown"
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    mem_kib = 0
+    try:
+        for line in open("/proc/meminfo"):
+            if line.startswith("MemTotal:"):
+                mem_kib = int(line.split()[1])
+    except OSError:
+        pass
+
+    def version(argv: list[str]) -> str:
+        try:
+            done = procs.run(argv, timeout=10)
+        except (OSError, subprocess.TimeoutExpired):
+            return "not installed"
+        text = (done.stdout + done.stderr).strip().splitlines()
+        return text[0] if text else "?"
+
+    try:
+        from mitmproxy.version import VERSION as mitm
+    except ImportError:
+        mitm = "?"
+    return {
+        "nproc": os.cpu_count(), "cpu": cpu, "memory_gib": round(mem_kib / 2**20, 1),
+        "kernel": platform.release(), "python": platform.python_version(), "mitmproxy": mitm,
+        "nginx": version(["nginx", "-v"]), "wrk": version(["wrk", "-v"]).split(" [")[0],
+        "tinyproxy": version(["tinyproxy", "-v"]),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+    }
+
+
+def _raise_nofile() -> None:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = hard if hard != resource.RLIM_INFINITY else 65536
+    if soft < want:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+
+
+def _on_signal(signum, _frame):
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def run(settings: Settings, log=print) -> dict:
+    check_namespace()
+    _raise_nofile()
+    signal.signal(signal.SIGTERM, _on_signal)
+    started = time.monotonic()
+    whole = procs.ForeignLoad()
+    layout = procs.cpu_layout()
+    all_cpus = os.sched_getaffinity(0)
+    if layout:
+        os.sched_setaffinity(0, layout[0])  # inherited by nginx, wrk, curl
+    results: dict = {"settings": {k: getattr(settings, k) for k in
+                                  ("quick", "duration", "warmup", "rounds", "side_rounds", "connections", "tunnel_bytes",
+                                   "tunnel_rounds", "idle_connections")}
+                     | {"cpus": {"load": sorted(layout[0]), "proxy": sorted(layout[1])} if layout else None},
+                     "machine": machine(), "micro": None, "http": {}, "tunnel": {}, "idle": {},
+                     "contenders": {}, "origin": None, "notes": []}
+    with tempfile.TemporaryDirectory(prefix="sluice-bench-") as tmp:
+        root = Path(tmp)
+        root.chmod(0o755)
+        policy_files = policies.write_all(root)
+
+        log("bench: decision microbenchmark")
+        try:
+            results["micro"] = micro.run(policy_files, quick=settings.quick)
+        except Exception as e:  # e.g. the policy format moved on: report it, run the rest
+            results["micro"] = {"error": f"{type(e).__name__}: {e}"}
+
+        dns = FakeDNS()
+        everyone = C.all_contenders()
+        try:
+            try:
+                dns.start()
+            except OSError as e:  # Sluice then fails its test request and is reported n/a
+                results["notes"].append(f"the fake DNS server did not start on 127.0.0.53:53: {e}")
+            log("bench: starting the origin and the proxies")
+            try:
+                _, results["origin"] = origin.start(root, settings.tunnel_bytes)
+            except (procs.StartError, OSError) as e:
+                results["origin"] = f"none: {e}"
+                for c in everyone:
+                    c.error = "the origin did not start"
+            origin_up = not results["origin"].startswith("none")
+            wrapper = C.hosts_wrapper(root) if origin_up else None
+            if wrapper is None and origin_up:
+                results["notes"].append("mitmdump and tinyproxy were sent the IP literal 8.8.8.8 "
+                                        "(no private /etc/hosts could be mounted)")
+            for c in everyone:
+                if c.error is None:
+                    C.start(c, root, policy_files, wrapper, layout[1] if layout else None)
+                if c.error is None:
+                    _check_works(c)
+                log(f"bench:   {c.key}: {'ready' if c.error is None else 'n/a: ' + c.error}")
+            results["contenders"] = {c.key: {"label": c.label, "error": c.error, "notes": c.notes,
+                                             "rss_start_kib": c.rss_kib()} for c in everyone}
+
+            idle_phase(everyone, settings, results, log)  # first: fresh processes, no freed memory to reuse
+            http_phase(everyone, settings, root, results, log, all_cpus)
+            tunnel_phase(everyone, settings, results, log)
+            other, stolen = whole.cores()
+            results["foreign_cores"], results["steal_cores"] = round(other, 2), round(stolen, 2)
+            for c in everyone:
+                results["contenders"][c.key]["rss_end_kib"] = c.rss_kib()
+                if c.error is not None:
+                    results["contenders"][c.key]["error"] = c.error
+        finally:
+            procs.stop_all()
+            dns.stop()
+        results["dns_queries"] = dns.queries
+    results["seconds"] = round(time.monotonic() - started, 1)
+    return results
+
+
+def _check_works(c: C.Contender) -> None:
+    """One request through the contender; a refusal or failure makes it n/a."""
+    try:
+        status, detail = load.probe(c.proxy or (origin.HOST, origin.PORT), c.url_host, C.NAME, origin.SMALL)
+    except Exception as e:  # OSError, http.client.HTTPException: n/a, not a crash
+        c.error = f"a test request failed: {e}"
+        return
+    if status != 200:
+        c.error = f"a test request got HTTP {status}: {detail}"
+
+
+def _usable(c: C.Contender, role: str) -> bool:
+    return role in c.roles and c.error is None and (c.proc is None or c.proc.alive())
+
+
+# ---- phases -----------------------------------------------------------------
+
+def _slope(points: list[tuple[int, int]]) -> float | None:
+    """Least-squares slope of RSS (KiB) over open tunnels."""
+    if len(points) < 2:
+        return None
+    mx = statistics.mean(x for x, _ in points)
+    my = statistics.mean(y for _, y in points)
+    sxx = sum((x - mx) ** 2 for x, _ in points)
+    return sum((x - mx) * (y - my) for x, y in points) / sxx if sxx else None
+
+
+def idle_phase(everyone: list[C.Contender], s: Settings, results: dict, log) -> None:
+    """RSS growth per idle CONNECT tunnel. A first batch of n tunnels is
+    opened and held unmeasured: a fresh process reuses memory it already
+    freed (the 10k-policy Sluice has megabytes of it from parsing its YAML),
+    which would hide the first few hundred tunnels. Then n more are opened in
+    steps, and the least-squares slope of RSS over them is the cost."""
+    n = s.idle_connections
+    steps = 5
+    log(f"bench: memory per idle tunnel ({n} CONNECT tunnels held, then {n} more measured)")
+    for c in everyone:
+        if "idle" not in c.roles:
+            continue
+        if not _usable(c, "idle"):
+            results["idle"][c.key] = {"error": c.error or "not running"}
+            continue
+        connect_to = f"{c.url_host}:80"
+        deadline = time.monotonic() + 90
+        held: list = []
+        points: list[tuple[int, int]] = []
+        r: dict = {"fill": n, "requested": n}
+        try:
+            held, err = load.open_idle_tunnels(c.proxy, connect_to, n, deadline)
+            base = len(held)
+            if not err:
+                time.sleep(0.3)
+                rss = c.rss_kib()
+                if rss is not None:
+                    points.append((0, rss))
+                for _ in range(steps):
+                    socks, err = load.open_idle_tunnels(c.proxy, connect_to, n // steps, deadline)
+                    held += socks
+                    time.sleep(0.3)
+                    rss = c.rss_kib()
+                    if rss is not None:
+                        points.append((len(held) - base, rss))
+                    if err:
+                        break
+        finally:
+            load.close_all(held)
+        r.update(opened=len(held) - base, points=points)
+        slope = _slope(points)
+        if not c.proc.alive():
+            r["error"] = "the proxy exited"
+        elif err and len(held) < n:
+            r["error"] = err
+        elif slope is None:
+            r["error"] = err or "too few measurements"
+        else:
+            r["kib_per_conn"] = slope
+            if err:
+                r["warning"] = err
+        results["idle"][c.key] = r
+        log(f"bench:   {c.key}: " + (f"{r['kib_per_conn']:.1f} KiB per tunnel" if "kib_per_conn" in r else r["error"]))
+        time.sleep(1.0)  # let the proxy close its upstream sides
+
+
+KEY = ("mitmdump", "sluice", "sluice-10k")  # measured every round; the rest are references
+
+
+QUIET = 0.25  # cores of other processes' load under which a run counts as quiet
+MIN_QUIET_ROUNDS = 3
+
+
+def _paired(runs: dict[str, list[dict]], key: str, base: str, field: str,
+            rounds: set[int] | None = None) -> float | None:
+    """Median over rounds (those in `rounds`, if given) of key's value /
+    base's value in the same round."""
+    by_round = {r["round"]: r for r in runs.get(base, []) if "error" not in r and r.get(field)}
+    ratios = [r[field] / by_round[r["round"]][field] for r in runs.get(key, [])
+              if "error" not in r and r.get(field) is not None and r["round"] in by_round
+              and (rounds is None or r["round"] in rounds)]
+    return statistics.median(ratios) if ratios else None
+
+
+def _quiet_rounds(runs: dict[str, list[dict]], keys: tuple[str, ...]) -> set[int]:
+    """Rounds in which no run of `keys` saw other processes' load."""
+    rounds: dict[int, bool] = {}
+    for key in keys:
+        for r in runs.get(key, []):
+            quiet = "error" not in r and (r.get("foreign_cores") or 0) < QUIET
+            rounds[r["round"]] = rounds.get(r["round"], True) and quiet
+    return {rnd for rnd, quiet in rounds.items() if quiet}
+
+
+def http_phase(everyone: list[C.Contender], s: Settings, root: Path, results: dict, log,
+               all_cpus: set[int] | None = None) -> None:
+    scripts = {host: load.wrk_script(root, C.NAME, host, origin.SMALL) for host in {c.url_host for c in everyone}}
+    runners = [c for c in everyone if "http" in c.roles]
+    for conns in s.connections:
+        per: dict[str, list[dict]] = {c.key: [] for c in runners}
+        warm_failed: dict[str, str] = {}
+        log(f"bench: {conns} connections: warm-up")
+        for c in runners:
+            if _usable(c, "http"):
+                warm = load.wrk(c.target, scripts[c.url_host], connections=conns, duration=s.warmup,
+                                threads=2 if c.proxy is None else 1, cpus=all_cpus if c.proxy is None else None)
+                if "error" in warm and not warm.get("requests"):
+                    warm_failed[c.key] = warm["error"]
+        for rnd in range(s.rounds):
+            order = [c for c in runners if (c.key in KEY or rnd < s.side_rounds)
+                     and _usable(c, "http") and c.key not in warm_failed]
+            if rnd % 2:
+                order.reverse()
+            log(f"bench: {conns} connections, round {rnd + 1}/{s.rounds}: " + " ".join(c.key for c in order))
+            for c in order:
+                if not _usable(c, "http") or c.key in warm_failed:
+                    continue
+                cpu0 = c.cpu_seconds()
+                accepted0 = origin.accepted_connections()
+                foreign = procs.ForeignLoad()
+                r = load.wrk(c.target, scripts[c.url_host], connections=conns, duration=s.duration,
+                             threads=2 if c.proxy is None else 1, cpus=all_cpus if c.proxy is None else None)
+                cpu1 = c.cpu_seconds()
+                other, stolen = foreign.cores()
+                r["foreign_cores"], r["steal_cores"] = round(other, 2), round(stolen, 2)
+                accepted1 = origin.accepted_connections()
+                if accepted0 is not None and accepted1 is not None:
+                    r["upstream_conns"] = accepted1 - accepted0 - 1  # less the status query's own
+                if cpu0 is not None and cpu1 is not None and r.get("requests"):
+                    r["cpu_us_per_req"] = (cpu1 - cpu0) / r["requests"] * 1e6
+                r["rss_kib"] = c.rss_kib()
+                r["round"] = rnd
+                per[c.key].append(r)
+        # Ratios use the quiet rounds when there are enough of them: another
+        # process's burst of CPU lands on one contender's run, not its pair's.
+        quiet = _quiet_rounds(per, KEY)
+        use = quiet if len(quiet) >= MIN_QUIET_ROUNDS else None
+        summary = {"_rounds": {"all": s.rounds, "quiet": sorted(quiet), "ratios_from": "quiet" if use else "all"}}
+        for c in runners:
+            runs = per[c.key]
+            good = [r for r in runs if "error" not in r]
+            if not good:
+                summary[c.key] = {"error": c.error or warm_failed.get(c.key) or (runs[0]["error"] if runs else "not run")}
+                continue
+            cpus = [r["cpu_us_per_req"] for r in good if "cpu_us_per_req" in r]
+            row = {
+                "rps": statistics.median(r["rps"] for r in good),
+                "p50_ms": statistics.median(r["p50_us"] for r in good) / 1000,
+                "p99_ms": statistics.median(r["p99_us"] for r in good) / 1000,
+                "cpu_us_per_req": statistics.median(cpus) if cpus else None,
+                "rounds": len(good),
+                "rps_runs": [round(r["rps"], 1) for r in good],
+                "p50_ms_runs": [round(r["p50_us"] / 1000, 2) for r in good],
+                "foreign_cores_runs": [r.get("foreign_cores") for r in good],
+                "upstream_conns_runs": [r.get("upstream_conns") for r in good],
+                "errors": sum(r["errors"] for r in good),
+                "read_errors": sum(r["read"] for r in good),
+                "requests": sum(r["requests"] for r in good),
+                "rss_kib": good[-1].get("rss_kib"),
+                "failed_runs": [r["error"] for r in runs if "error" in r],
+            }
+            # Ratios are medians of same-round ratios (adjacent runs), which
+            # cancel most of the machine's drift.
+            if c.key != "mitmdump":
+                pick = use if c.key in KEY else None  # the references ran too few rounds to filter
+                row["rps_ratio"] = _paired(per, c.key, "mitmdump", "rps", pick)
+                row["p50_ratio"] = _paired(per, c.key, "mitmdump", "p50_us", pick)
+                row["cpu_ratio"] = _paired(per, c.key, "mitmdump", "cpu_us_per_req", pick)
+            if c.key == "sluice-10k":
+                row["rps_vs_default"] = _paired(per, c.key, "sluice", "rps", use)
+                row["p50_vs_default"] = _paired(per, c.key, "sluice", "p50_us", use)
+                row["cpu_vs_default"] = _paired(per, c.key, "sluice", "cpu_us_per_req", use)
+            summary[c.key] = row
+        results["http"][str(conns)] = summary
+
+
+def tunnel_phase(everyone: list[C.Contender], s: Settings, results: dict, log) -> None:
+    log(f"bench: CONNECT tunnel download ({s.tunnel_bytes // 2**20} MiB, {s.tunnel_rounds} rounds)")
+    runners = [c for c in everyone if "tunnel" in c.roles]
+    per: dict[str, list[dict]] = {c.key: [] for c in runners}
+    for rnd in range(s.tunnel_rounds):
+        order = runners if rnd % 2 == 0 else list(reversed(runners))
+        for c in order:
+            if not _usable(c, "tunnel"):
+                continue
+            connect_host = origin.HOST if c.proxy is None else c.url_host
+            r = load.curl_download(c.proxy, connect_host, C.NAME, origin.LARGE, s.tunnel_bytes)
+            r["round"] = rnd
+            per[c.key].append(r)
+    for c in runners:
+        runs = per[c.key]
+        good = [r for r in runs if "error" not in r]
+        if not good:
+            results["tunnel"][c.key] = {"error": c.error or (runs[0]["error"] if runs else "not run")}
+            continue
+        results["tunnel"][c.key] = {
+            "mbps": statistics.median(r["mbps"] for r in good),
+            "mbps_runs": [round(r["mbps"], 1) for r in good],
+            "ratio": _paired(per, c.key, "mitmdump", "mbps") if c.key != "mitmdump" else 1.0,
+            "rss_kib": c.rss_kib(),
+            "failed_runs": [r["error"] for r in runs if "error" in r],
+        }
+        log(f"bench:   {c.key}: {results['tunnel'][c.key]['mbps']:.0f} MB/s")
