@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import netaddr
 
 from policy.hosts import HostError, IPHost, NameHost, parse_host
+from policy.ranges import address_value
 
 
 class PatternError(ValueError):
@@ -59,15 +60,18 @@ def parse_cidr(text: str) -> netaddr.IPNetwork:
 class AddressSet:
     """CIDRs (each optionally limited to one port) with fast membership."""
 
-    __slots__ = ("_by_len", "_lengths", "entries")
+    __slots__ = ("_tables", "entries")
 
     def __init__(self, entries: tuple[AddressEntry, ...] = ()) -> None:
         self.entries = entries
-        self._by_len: dict[tuple[int, int], dict[int, list[AddressEntry]]] = {}
+        by_len: dict[tuple[int, int], dict[int, list[AddressEntry]]] = {}
         for e in entries:
-            self._by_len.setdefault((e.version, e.prefixlen), {}).setdefault(e.network, []).append(e)
-        # Longest prefixes first so the most specific entry names the rule.
-        self._lengths = sorted(self._by_len, key=lambda vl: -vl[1])
+            by_len.setdefault((e.version, e.prefixlen), {}).setdefault(e.network, []).append(e)
+        # Per IP version: (shift, table) pairs, longest prefix first so the
+        # most specific entry names the rule.
+        self._tables: dict[int, list[tuple[int, dict[int, list[AddressEntry]]]]] = {4: [], 6: []}
+        for (version, length), table in sorted(by_len.items(), key=lambda kv: -kv[0][1]):
+            self._tables[version].append(((32 if version == 4 else 128) - length, table))
 
     @staticmethod
     def entry(cidr: str, port: int | None = None, origin: str = "", text: str | None = None) -> AddressEntry:
@@ -90,11 +94,8 @@ class AddressSet:
 
     def match_entry(self, value: int, version: int, port: int | None = None) -> AddressEntry | None:
         """The most specific entry holding this address (and port, if the entry names one)."""
-        bits = 32 if version == 4 else 128
-        for v, length in self._lengths:
-            if v != version:
-                continue
-            bucket = self._by_len[(v, length)].get(value >> (bits - length))
+        for shift, table in self._tables[version]:
+            bucket = table.get(value >> shift)
             if bucket:
                 for e in bucket:
                     if e.port is None or port is None or e.port == port:
@@ -102,8 +103,7 @@ class AddressSet:
         return None
 
     def match_address(self, address: str, port: int | None = None) -> Rule | None:
-        ip = netaddr.IPAddress(address)
-        return self.match(int(ip), ip.version, port)
+        return self.match(*address_value(address), port)
 
 
 @dataclass(slots=True)
@@ -118,6 +118,9 @@ class HostMatcher:
     everything: Rule | None = None
     addresses: AddressSet = field(default_factory=AddressSet)
     rules: list[Rule] = field(default_factory=list)
+    # name -> (rule when the host is that name, rule when it is a subdomain of
+    # it): one probe per label of the host, built from the three dicts above.
+    _by_suffix: dict[str, tuple[Rule | None, Rule | None]] = field(default_factory=dict)
 
     def __bool__(self) -> bool:
         return bool(self.rules)
@@ -141,21 +144,23 @@ class HostMatcher:
                 getattr(m, kind).setdefault(key, rule)
             m.rules.append(rule)
         m.addresses = AddressSet(tuple(address_entries))
+        for key in m.exact.keys() | m.subdomains.keys() | m.apex_and_subdomains.keys():
+            both = m.apex_and_subdomains.get(key)
+            m._by_suffix[key] = (m.exact.get(key) or both, m.subdomains.get(key) or both)
         return m
 
     def match_name(self, name: str) -> Rule | None:
-        rule = self.exact.get(name) or self.apex_and_subdomains.get(name)
-        if rule:
-            return rule
-        suffix = name
-        while True:
-            dot = suffix.find(".")
-            if dot < 0:
-                break
-            suffix = suffix[dot + 1 :]
-            rule = self.subdomains.get(suffix) or self.apex_and_subdomains.get(suffix)
-            if rule:
-                return rule
+        by_suffix = self._by_suffix
+        if by_suffix:
+            found = by_suffix.get(name)
+            if found and found[0]:
+                return found[0]
+            dot = name.find(".")
+            while dot >= 0:
+                found = by_suffix.get(name[dot + 1 :])
+                if found and found[1]:
+                    return found[1]
+                dot = name.find(".", dot + 1)
         return self.everything
 
     def match_host(self, host: IPHost | NameHost) -> Rule | None:

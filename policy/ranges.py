@@ -20,6 +20,7 @@ address costs a few dozen integer comparisons and no allocation per row.
 from __future__ import annotations
 
 from dataclasses import dataclass
+import socket
 from functools import lru_cache
 
 import netaddr
@@ -114,7 +115,15 @@ def non_public_range(value: int, version: int) -> NonPublicRange | None:
 
 
 @lru_cache(maxsize=65536)
+def address_value(address: str) -> tuple[int, int]:
+    """(integer value, IP version) of an IP address string; cached, since the
+    same few addresses are looked at again and again."""
+    if ":" in address:
+        return int.from_bytes(socket.inet_pton(socket.AF_INET6, address.split("%", 1)[0]), "big"), 6
+    return int.from_bytes(socket.inet_pton(socket.AF_INET, address), "big"), 4
+
+
+@lru_cache(maxsize=65536)
 def classify(address: str) -> NonPublicRange | None:
     """Classify a canonical IP address string (as produced by policy.hosts)."""
-    ip = netaddr.IPAddress(address)
-    return non_public_range(int(ip), ip.version)
+    return non_public_range(*address_value(address))
