@@ -20,10 +20,11 @@ from __future__ import annotations
 
 from mitmproxy import connection, http
 from mitmproxy.net.http import url as mitm_url
-from mitmproxy.proxy import layer, layers
+from mitmproxy.proxy import layer, layers, mode_specs
 from mitmproxy.proxy.layers import modes
 from mitmproxy.proxy.server_hooks import ServerConnectionHookData
 
+from addons import connections
 from addons.audit import AuditLog
 from addons.caps import Caps
 from addons.identity import PROXY_AUTHORIZATION, ClientIdentifier
@@ -35,6 +36,9 @@ from policy.decide import Decision, Destination, check_address
 from policy.hosts import HostError, IPHost, NameHost, parse_host
 from policy.model import Rules
 from policy.reasons import Reason, Refusal
+
+# SOCKS5 reply: version 5, REP 2 "connection not allowed by ruleset", IPv4 0.0.0.0:0.
+SOCKS5_NOT_ALLOWED = b"\x05\x02\x00\x01\x00\x00\x00\x00\x00\x00"
 
 # Hop-by-hop request headers never forwarded (RFC 9110 7.6.1), besides those
 # the Connection header names. Upgrade stays so WebSockets keep working.
@@ -173,6 +177,12 @@ class EgressGate:
     def _refuse_dial(self, data: ServerConnectionHookData, host: str, port: int, decision: Decision, profile: str | None) -> None:
         data.server.error = f"{decision.refusal.reason.value}: {decision.refusal.message}"
         self.audit.refused_connection(data.client, host, port, decision, profile)
+        if isinstance(data.client.proxy_mode, mode_specs.Socks5Mode) and not self._approved.get(data.client.id):
+            # mitmproxy would answer "host unreachable" (REP 4); a policy
+            # refusal is "connection not allowed by ruleset" (REP 2), which
+            # tells a SOCKS client not to retry. Nothing else reaches it after.
+            connections.write_to_client(data.client, SOCKS5_NOT_ALLOWED)
+            connections.shut_client_writer(data.client)
 
     def _remember_tunnel(self, client: connection.Client, server: connection.Server, verdict: Verdict) -> None:
         self._tunnels[server.id] = verdict
