@@ -33,7 +33,7 @@ from addons.refusals import refusal_response
 from addons.resolver import decide
 from addons.verdict import META, Verdict, verdict_of
 from policy.decide import Decision, Destination, check_address
-from policy.hosts import HostError, IPHost, NameHost, parse_host
+from policy.hosts import HostError, NameHost, parse_host
 from policy.model import Rules
 from policy.reasons import Reason, Refusal
 

@@ -5,7 +5,7 @@ import ipaddress
 import socket
 
 import pytest
-from hypothesis import assume, example, given, settings, strategies as st
+from hypothesis import example, given, settings, strategies as st
 
 from policy.decide import Destination, check_request
 from policy.hosts import HostError, IPHost, NameHost, parse_host
