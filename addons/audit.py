@@ -56,7 +56,9 @@ class AuditLog:
         record.setdefault("time", round(time.time(), 3))
         line = {k: record.get(k) for k in FIELDS}
         out = self._out or sys.stdout
-        out.write(json.dumps(line, separators=(",", ":"), ensure_ascii=False) + "\n")
+        # ASCII JSON: hosts and details quoting client bytes (even lone
+        # surrogates) are escaped, so a line can always be written.
+        out.write(json.dumps(line, separators=(",", ":")) + "\n")
         out.flush()
 
     # ---- hooks: this addon runs last, after every cap and guard ---------

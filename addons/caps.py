@@ -13,11 +13,13 @@ from __future__ import annotations
 import asyncio
 
 from mitmproxy import connection, http
+from mitmproxy.connection import ConnectionState
 from mitmproxy.net.http import status_codes
 from mitmproxy.proxy.server_hooks import ServerConnectionHookData
 
 from addons import connections
 from addons.audit import AuditLog
+from addons.failsafe import fail_closed
 from addons.policy_source import PolicySource
 from addons.refusals import answer_now, refusal_body, refusal_headers, refusal_response
 from addons.verdict import Verdict, verdict_of
@@ -89,6 +91,7 @@ class Caps:
 
     # ---- HTTP exchanges ----------------------------------------------------
 
+    @fail_closed()
     def requestheaders(self, flow: http.HTTPFlow) -> None:
         verdict = verdict_of(flow)
         if verdict is None or not verdict.decision.allowed or flow.response is not None:
@@ -106,6 +109,7 @@ class Caps:
             limits.request_timeout, self._request_expired, flow, limits.request_timeout
         )
 
+    @fail_closed(response_phase=True)
     def responseheaders(self, flow: http.HTTPFlow) -> None:
         verdict = verdict_of(flow)
         if verdict is None or not verdict.decision.allowed or verdict.cap is not None:
@@ -132,6 +136,11 @@ class Caps:
         if timeout is not None and verdict is not None and verdict.cap is None and not verdict.response_started:
             verdict.cap = timeout
             answer_now(flow, timeout)
+        elif (verdict is not None and verdict.decision.allowed and verdict.cap is None
+              and not verdict.response_started and flow.client_conn.state & ConnectionState.CAN_WRITE):
+            # The origin failed before answering (reset, refused, bad
+            # response): mitmproxy answers the client 502 itself.
+            verdict.wire_status = 502
         self._finish(flow)
 
     def http_connect_error(self, flow: http.HTTPFlow) -> None:

@@ -26,6 +26,7 @@ from mitmproxy.proxy.server_hooks import ServerConnectionHookData
 
 from addons import connections
 from addons.audit import AuditLog
+from addons.failsafe import fail_closed
 from addons.caps import Caps
 from addons.identity import PROXY_AUTHORIZATION, ClientIdentifier
 from addons.policy_source import LivePolicy, PolicySource
@@ -67,6 +68,7 @@ class EgressGate:
 
     # ---- HTTP and CONNECT ----------------------------------------------
 
+    @fail_closed()
     async def requestheaders(self, flow: http.HTTPFlow) -> None:
         if flow.response is not None or flow.request.method == "CONNECT":
             return
@@ -84,6 +86,7 @@ class EgressGate:
         elif verdict is not None and verdict.decision.allowed:
             _strip_headers(flow.request, verdict.rules.strip_request_headers if verdict.rules else frozenset())
 
+    @fail_closed()
     async def http_connect(self, flow: http.HTTPFlow) -> None:
         if flow.response is None:
             await self._gate_http(flow, connect=True)
@@ -140,6 +143,7 @@ class EgressGate:
 
     # ---- the last gate: every dial ---------------------------------------
 
+    @fail_closed()
     async def server_connect(self, data: ServerConnectionHookData) -> None:
         server = data.server
         if server.address is None or server.error:
@@ -224,6 +228,7 @@ class EgressGate:
         # speed); Caps meters the bytes at the server socket instead.
         nextlayer.layer = layers.TCPLayer(context, ignore=True)
 
+    @fail_closed()
     def server_connected(self, data: ServerConnectionHookData) -> None:
         tunnel = self._tunnels.get(data.server.id)
         if tunnel is not None and not tunnel.intercept:

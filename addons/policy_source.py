@@ -88,7 +88,7 @@ class PolicySource:
                 ctx.master.shutdown()
                 return
         try:
-            asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, self.reload)
+            asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, self._reload_logged)
         except (NotImplementedError, RuntimeError, ValueError):
             pass  # not the main thread (embedded use): polling still works
         if self.poll_seconds > 0 and self._poller is None:
@@ -109,6 +109,12 @@ class PolicySource:
                     self.reload()
             except Exception:  # the watcher must never die
                 logger.exception("policy watcher error")
+
+    def _reload_logged(self) -> None:
+        try:
+            self.reload()
+        except Exception:  # a signal handler must never raise into the loop
+            logger.exception("policy reload failed")
 
     def reload(self) -> bool:
         """Validate the file and swap it in; keep the last good policy on any failure."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from mitmproxy import http
 
+from addons.failsafe import fail_closed
 from addons.policy_source import PolicySource
 from addons.refusals import refusal_body, refusal_headers
 from addons.resolver import decide
@@ -21,6 +22,7 @@ class RedirectGuard:
     def __init__(self, source: PolicySource) -> None:
         self.source = source
 
+    @fail_closed(response_phase=True)
     async def responseheaders(self, flow: http.HTTPFlow) -> None:
         verdict = verdict_of(flow)
         response = flow.response

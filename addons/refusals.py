@@ -37,7 +37,9 @@ def refusal_headers(refusal: Refusal) -> dict[str, str]:
 
 
 def refusal_body(refusal: Refusal) -> bytes:
-    return (refusal.message + "\n").encode()
+    # backslashreplace: a detail quoting client bytes (a lone surrogate from a
+    # non-UTF-8 method, say) must never make the refusal itself fail.
+    return (refusal.message + "\n").encode("utf-8", "backslashreplace")
 
 
 def refusal_response(refusal: Refusal) -> http.Response:

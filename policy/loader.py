@@ -507,7 +507,7 @@ def _scan(root: yaml.Node, file: str, what: str = "policy") -> list[Problem]:
             elif node.tag in _CHECKED_SCALARS and isinstance(node, yaml.ScalarNode):
                 try:
                     checker.yaml_constructors[node.tag](checker, node)
-                except (yaml.YAMLError, ValueError, TypeError, OverflowError) as e:
+                except Exception as e:  # PyYAML raises IndexError, KeyError, AttributeError... here too
                     kind = node.tag[len(_YAML):]
                     problems.append(Problem(file, mark.line + 1, mark.column + 1, f"{node.value!r} is not a valid {kind} ({e})"))
         if isinstance(node, yaml.SequenceNode):
@@ -540,7 +540,17 @@ def compose_checked(text: str, file: str, what: str = "policy", *, null_is_empty
 
 
 def load_policy_text(text: str, file: str = "<policy>", read_secret: Callable[[str], str] | None = None) -> Policy:
-    """Parse and validate; raise PolicyInvalid with every problem found."""
+    """Parse and validate; raise PolicyInvalid with every problem found, and
+    never anything else: whatever the text, the caller gets a policy or problems."""
+    try:
+        return _load_policy_text(text, file, read_secret)
+    except PolicyInvalid:
+        raise
+    except Exception as e:  # a gap in validation must not crash a reload or a check
+        raise PolicyInvalid([Problem(file, 1, 1, f"the policy could not be read ({type(e).__name__}: {e})")]) from None
+
+
+def _load_policy_text(text: str, file: str, read_secret: Callable[[str], str] | None) -> Policy:
     reader = _Reader(file, read_secret)
     if len(text.encode("utf-8", "surrogatepass")) > MAX_POLICY_BYTES:
         raise PolicyInvalid([Problem(file, 1, 1, f"the policy is larger than {MAX_POLICY_BYTES // 2**20} MiB; refusing to parse it")])

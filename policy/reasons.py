@@ -31,6 +31,7 @@ class Reason(StrEnum):
     TUNNEL_TIMEOUT = "tunnel_timeout"
     REDIRECT_REFUSED = "redirect_refused"
     HOST_MISMATCH = "host_mismatch"
+    INTERNAL_ERROR = "internal_error"
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +61,7 @@ REASONS: dict[Reason, ReasonInfo] = {
     Reason.TUNNEL_TIMEOUT: ReasonInfo(504, "a tunnel stayed open longer than `limits.tunnel_max_seconds`"),
     Reason.REDIRECT_REFUSED: ReasonInfo(403, "the response redirects to a destination the policy refuses"),
     Reason.HOST_MISMATCH: ReasonInfo(403, "inside an intercepted tunnel, the Host header or SNI names another host than the CONNECT target"),
+    Reason.INTERNAL_ERROR: ReasonInfo(500, "Sluice failed while deciding (a bug; the proxy log has the details); it refuses rather than guess"),
 }
 
 # Sent with every refusal so an agent knows this is deliberate and final.

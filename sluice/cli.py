@@ -73,7 +73,7 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "proxy" and args.workers != 1:
-        from sluice.proxy import parse_listen
+        from sluice.listen import parse_listen
         from sluice.workers import supervise
 
         if not 1 <= args.workers <= 64:

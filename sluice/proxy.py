@@ -15,6 +15,7 @@ from mitmproxy.master import Master
 
 from addons.sluice_addon import make_addons
 from sluice.ca import ca_dir, ensure_ca
+from sluice.listen import parse_listen
 from sluice.workers import REUSE_PORT_ENV, enable_reuse_port
 
 # mitmproxy defaults Sluice changes: quiet connection chatter (the audit log
@@ -54,14 +55,6 @@ class ReadyLine:
         shown = " ".join(f"[{h}]:{p}" if ":" in h else f"{h}:{p}" for h, p, *_ in addrs)
         modes = ",".join(ctx.options.mode)
         print(f"sluice: ready on {shown} (mode {modes}; policy {self.policy_path})", file=sys.stderr, flush=True)
-
-
-def parse_listen(text: str) -> tuple[str, int]:
-    host, sep, port = text.rpartition(":")
-    if not sep or not port.isdigit() or not 0 <= int(port) < 65536:
-        raise ValueError(f"--listen {text!r}: expected HOST:PORT, e.g. 127.0.0.1:8080 or [::1]:8080")
-    host = host.strip("[]") or "127.0.0.1"
-    return host, int(port)
 
 
 async def _serve(policy: str, listen: tuple[str, int], modes: list[str], audit_log: str, sets: list[str], ca: str) -> int:

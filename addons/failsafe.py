@@ -1,0 +1,72 @@
+"""Fail closed: an exception inside a deciding hook refuses the exchange.
+
+mitmproxy logs an exception raised by an addon and carries on with the flow,
+so a bug in a check would let the request through unchecked. Every hook that
+decides or enforces is wrapped here instead: the exception is logged with its
+traceback and the exchange is refused with `internal_error`.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+
+from mitmproxy import http
+from mitmproxy.proxy.server_hooks import ServerConnectionHookData
+
+from addons.refusals import answer_now, refusal_response
+from addons.verdict import META, Verdict, verdict_of
+from policy.decide import Decision
+from policy.reasons import Reason, Refusal
+
+logger = logging.getLogger("sluice")
+
+INTERNAL = Refusal(Reason.INTERNAL_ERROR, "Sluice failed while checking this request, so it refuses it")
+
+
+def _refuse(target, response_started: bool) -> None:
+    if isinstance(target, ServerConnectionHookData):
+        target.server.error = f"{INTERNAL.reason.value}: {INTERNAL.message}"
+        return
+    if isinstance(target, http.HTTPFlow):
+        verdict = verdict_of(target)
+        if verdict is None:
+            target.metadata[META] = Verdict(target.request.host, target.request.port,
+                                            Decision(False, None, INTERNAL), None, None)
+        else:
+            verdict.cap = INTERNAL
+        if response_started:
+            answer_now(target, INTERNAL)  # headers not sent yet, but a body may be on its way
+        else:
+            target.response = refusal_response(INTERNAL)
+        return
+    # Anything else (a tunnel, a client): end it.
+    kill = getattr(target, "kill", None)
+    if callable(kill):
+        kill()
+
+
+def fail_closed(*, response_phase: bool = False):
+    """Decorate a hook (sync or async) of a deciding addon."""
+
+    def wrap(hook):
+        if inspect.iscoroutinefunction(hook):
+            @functools.wraps(hook)
+            async def guarded(self, target):
+                try:
+                    return await hook(self, target)
+                except Exception:
+                    logger.exception(f"sluice: {type(self).__name__}.{hook.__name__} failed; refusing")
+                    _refuse(target, response_phase)
+        else:
+            @functools.wraps(hook)
+            def guarded(self, target):
+                try:
+                    return hook(self, target)
+                except Exception:
+                    logger.exception(f"sluice: {type(self).__name__}.{hook.__name__} failed; refusing")
+                    _refuse(target, response_phase)
+        return guarded
+
+    return wrap
