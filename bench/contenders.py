@@ -1,5 +1,6 @@
 """The things compared: the origin directly, plain mitmdump, Sluice with two
-policies, and tinyproxy. Each proxy is its own process on its own port."""
+policies, Sluice with two worker processes, and tinyproxy. Each proxy is its
+own process (or process tree, for --workers) on its own port."""
 
 from __future__ import annotations
 
@@ -34,6 +35,8 @@ class Contender:
     error: str | None = None  # why this contender is n/a
     url_host: str = NAME  # what goes into the request line / CONNECT
     notes: list[str] = field(default_factory=list)
+    workers: int = 1  # > 1: `sluice proxy --workers N`, a supervisor and N worker processes
+    pinned: bool = True  # pinned to the proxy core; False: allowed every CPU (shared with the load side)
 
     @property
     def proxy(self) -> tuple[str, int] | None:
@@ -47,7 +50,19 @@ class Contender:
         return self.proc.rss_kib() if self.proc is not None else None
 
     def cpu_seconds(self) -> float | None:
-        return self.proc.cpu_seconds() if self.proc is not None else None
+        """CPU time of the contender's process and its descendants (the
+        workers, with --workers), like rss_kib()."""
+        return self.proc.tree_cpu_seconds() if self.proc is not None else None
+
+    def rss_kib_by_process(self) -> list[int | None]:
+        """VmRSS of each process of the tree, by pid (the supervisor first, with --workers)."""
+        if self.proc is None or not self.proc.alive():
+            return []
+        by_pid = procs.tree_rss_by_pid(self.proc.pid)
+        return [by_pid[pid] for pid in procs.root_first(self.proc.pid, by_pid)]
+
+    def cpu_by_pid(self) -> dict[int, float]:
+        return procs.tree_cpu_by_pid(self.proc.pid) if self.proc is not None and self.proc.alive() else {}
 
 
 def all_contenders() -> list[Contender]:
@@ -56,6 +71,10 @@ def all_contenders() -> list[Contender]:
         Contender("mitmdump", "mitmdump (plain, no addon)", 18080),
         Contender("mitmdump-tcp", "mitmdump, tunnels as TCP flows (tcp_hosts=.*)", 18085, frozenset({"tunnel", "idle"})),
         Contender("sluice", "Sluice, default policy", 18081),
+        # The scale-out path: not pinned, so on a 2-CPU machine its workers
+        # share both CPUs with wrk, nginx and the benchmark itself.
+        Contender("sluice-w2", "Sluice, default policy, --workers 2 (not pinned: both CPUs, shared with wrk and nginx)",
+                  18086, frozenset({"http"}), workers=2, pinned=False),
         Contender("sluice-10k", "Sluice, 10k patterns + 1k CIDRs", 18082),
         Contender("tinyproxy", "tinyproxy (reference)", 18083),
     ]
@@ -85,9 +104,10 @@ def hosts_wrapper(root: Path) -> list[str] | None:
 # ---- starting ---------------------------------------------------------------
 
 def start(c: Contender, root: Path, policies: dict[str, Path], wrapper: list[str] | None,
-          cpus: set[int] | None = None) -> None:
-    """Start one contender's process, wait for its port and pin it to cpus;
-    on failure set c.error (the contender is then reported n/a) instead of raising."""
+          cpus: set[int] | None = None, all_cpus: set[int] | None = None) -> None:
+    """Start one contender's process, wait for its port and pin it to cpus
+    (an unpinned contender's whole process tree gets all_cpus instead); on
+    failure set c.error (the contender is then reported n/a) instead of raising."""
     if c.port is None:
         return
     try:
@@ -98,7 +118,15 @@ def start(c: Contender, root: Path, policies: dict[str, Path], wrapper: list[str
         elif c.key == "tinyproxy":
             _start_tinyproxy(c, root, wrapper)
         c.proc.wait_port(LISTEN, c.port, timeout=30)
-        if cpus:
+        if c.workers > 1:
+            # The port answers as soon as the first worker listens; wait for
+            # the supervisor's line saying that all of them do.
+            c.proc.wait_log(f"[{c.workers} workers]", timeout=60)
+        if not c.pinned:
+            # The benchmark runs on the load core and its children inherit
+            # that: give the whole tree (supervisor and workers) every CPU.
+            procs.pin_tree(c.proc.pid, all_cpus or os.sched_getaffinity(c.proc.pid))
+        elif cpus:
             procs.pin(c.proc.pid, cpus)
     except (procs.StartError, OSError) as e:
         c.error = f"did not start: {e}"
@@ -135,6 +163,8 @@ def _start_sluice(c: Contender, root: Path, policy: Path) -> None:
     exe = VENV_BIN / "sluice"
     argv = [str(exe), "proxy", "--policy", str(policy), "--listen", f"{LISTEN}:{c.port}",
             "--audit-log", str(root / f"audit-{c.key}.jsonl"), "--set", f"confdir={_confdir(root)}"]
+    if c.workers > 1:
+        argv += ["--workers", str(c.workers)]
     if not exe.exists():
         argv = [sys.executable, "-m", "sluice.cli"] + argv[1:]
     c.proc = procs.Proc(c.key, argv, root / f"{c.key}.log").start()

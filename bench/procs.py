@@ -101,6 +101,27 @@ class Proc:
             return None
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
+    def tree_cpu_seconds(self) -> float | None:
+        """User + system CPU time so far of the process and its live
+        descendants (e.g. the workers of `sluice proxy --workers N`)."""
+        if not self.alive():
+            return None
+        return sum(tree_cpu_by_pid(self.pid).values())
+
+    def wait_log(self, text: str, timeout: float = 30.0) -> None:
+        """Until `text` appears in this process's log, it died, or timeout."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if not self.alive():
+                raise StartError(f"{self.name} exited with {self.popen.returncode}: {self.log_tail()}")
+            try:
+                if text in self.log.read_text(errors="replace"):
+                    return
+            except OSError:
+                pass
+            time.sleep(0.05)
+        raise StartError(f"{self.name} did not log {text!r} within {timeout:g}s: {self.log_tail()}")
+
 
 def pin(pid: int, cpus: set[int]) -> None:
     """Move every thread of a process (threads it starts later inherit) to cpus."""
@@ -113,6 +134,13 @@ def pin(pid: int, cpus: set[int]) -> None:
             os.sched_setaffinity(tid, cpus)
         except OSError:
             pass
+
+
+def pin_tree(root: int, cpus: set[int]) -> None:
+    """pin() for a process and every live descendant (processes they start
+    later inherit it)."""
+    for pid in _tree(root):
+        pin(pid, cpus)
 
 
 def cpu_layout() -> tuple[set[int], set[int]] | None:
@@ -153,6 +181,11 @@ def _cpu_of(pid: int) -> float:
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
     except (OSError, ValueError, IndexError):
         return 0.0
+
+
+def tree_cpu_by_pid(root: int) -> dict[int, float]:
+    """{pid: user + system CPU seconds so far} for root and its live descendants."""
+    return {pid: _cpu_of(pid) for pid in _tree(root)}
 
 
 def own_cpu_seconds() -> float:
@@ -235,6 +268,16 @@ def tree_rss_kib(root: int) -> int | None:
         total += rss or 0
         todo.extend(children.get(pid, []))
     return total
+
+
+def root_first(root: int, pids) -> list[int]:
+    """pids in a stable order: root first, then by pid."""
+    return sorted(pids, key=lambda pid: (pid != root, pid))
+
+
+def tree_rss_by_pid(root: int) -> dict[int, int | None]:
+    """{pid: VmRSS KiB} for root and its live descendants."""
+    return {pid: _status_field(pid, "VmRSS") for pid in _tree(root)}
 
 
 def run(argv: list[str], timeout: float, **kw) -> subprocess.CompletedProcess:

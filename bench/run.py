@@ -2,7 +2,8 @@
 
 Order: decision microbenchmark (nothing else running), then the origin, the
 fake DNS server and every proxy start (each proxy pinned to one core, the
-load generator, origin and this process to the other); memory per idle
+load generator, origin and this process to the other; the exception is
+Sluice --workers 2, allowed every CPU, the scale-out path); memory per idle
 tunnel on the fresh proxies; request rate and latency at each connection
 count, contenders interleaved and repeated in alternating order; tunnel
 downloads; stop all.
@@ -151,7 +152,8 @@ def run(settings: Settings, log=print) -> dict:
     results: dict = {"settings": {k: getattr(settings, k) for k in
                                   ("quick", "duration", "warmup", "rounds", "side_rounds", "connections", "tunnel_bytes",
                                    "tunnel_rounds", "idle_connections")}
-                     | {"cpus": {"load": sorted(layout[0]), "proxy": sorted(layout[1])} if layout else None},
+                     | {"cpus": {"load": sorted(layout[0]), "proxy": sorted(layout[1]),
+                                 "unpinned": {"cpus": sorted(all_cpus), "contenders": [SCALE]}} if layout else None},
                      "machine": machine(), "micro": None, "http": {}, "tunnel": {}, "idle": {},
                      "contenders": {}, "origin": None, "notes": []}
     with tempfile.TemporaryDirectory(prefix="sluice-bench-") as tmp:
@@ -186,7 +188,7 @@ def run(settings: Settings, log=print) -> dict:
                                         "(no private /etc/hosts could be mounted)")
             for c in everyone:
                 if c.error is None:
-                    C.start(c, root, policy_files, wrapper, layout[1] if layout else None)
+                    C.start(c, root, policy_files, wrapper, layout[1] if layout else None, all_cpus)
                 if c.error is None:
                     _check_works(c)
                 log(f"bench:   {c.key}: {'ready' if c.error is None else 'n/a: ' + c.error}")
@@ -200,6 +202,8 @@ def run(settings: Settings, log=print) -> dict:
             results["foreign_cores"], results["steal_cores"] = round(other, 2), round(stolen, 2)
             for c in everyone:
                 results["contenders"][c.key]["rss_end_kib"] = c.rss_kib()
+                if c.workers > 1:
+                    results["contenders"][c.key]["rss_end_kib_by_process"] = c.rss_kib_by_process()
                 if c.error is not None:
                     results["contenders"][c.key]["error"] = c.error
         finally:
@@ -294,6 +298,10 @@ def idle_phase(everyone: list[C.Contender], s: Settings, results: dict, log) -> 
 
 
 KEY = ("mitmdump", "sluice", "sluice-10k")  # measured every round; the rest are references
+# Also measured every round, but left out of KEY's quiet-round test: its
+# workers share both CPUs with the load side, and its ratios get their own.
+SCALE = "sluice-w2"
+EVERY_ROUND = KEY + (SCALE,)
 
 
 QUIET = 0.25  # cores of other processes' load under which a run counts as quiet
@@ -336,7 +344,7 @@ def http_phase(everyone: list[C.Contender], s: Settings, root: Path, results: di
                 if "error" in warm and not warm.get("requests"):
                     warm_failed[c.key] = warm["error"]
         for rnd in range(s.rounds):
-            order = [c for c in runners if (c.key in KEY or rnd < s.side_rounds)
+            order = [c for c in runners if (c.key in EVERY_ROUND or rnd < s.side_rounds)
                      and _usable(c, "http") and c.key not in warm_failed]
             if rnd % 2:
                 order.reverse()
@@ -345,11 +353,18 @@ def http_phase(everyone: list[C.Contender], s: Settings, root: Path, results: di
                 if not _usable(c, "http") or c.key in warm_failed:
                     continue
                 cpu0 = c.cpu_seconds()
+                split0 = c.cpu_by_pid() if c.workers > 1 else {}
                 accepted0 = origin.accepted_connections()
                 foreign = procs.ForeignLoad()
                 r = load.wrk(c.target, scripts[c.url_host], connections=conns, duration=s.duration,
                              threads=2 if c.proxy is None else 1, cpus=all_cpus if c.proxy is None else None)
                 cpu1 = c.cpu_seconds()
+                if c.workers > 1:
+                    # CPU seconds per process of the tree over the run (supervisor
+                    # first): shows how evenly SO_REUSEPORT spread the connections.
+                    split1 = c.cpu_by_pid()
+                    r["cpu_s_by_process"] = [round(split1[pid] - split0.get(pid, 0.0), 2)
+                                             for pid in procs.root_first(c.proc.pid, split1)]
                 other, stolen = foreign.cores()
                 r["foreign_cores"], r["steal_cores"] = round(other, 2), round(stolen, 2)
                 accepted1 = origin.accepted_connections()
@@ -364,7 +379,11 @@ def http_phase(everyone: list[C.Contender], s: Settings, root: Path, results: di
         # process's burst of CPU lands on one contender's run, not its pair's.
         quiet = _quiet_rounds(per, KEY)
         use = quiet if len(quiet) >= MIN_QUIET_ROUNDS else None
-        summary = {"_rounds": {"all": s.rounds, "quiet": sorted(quiet), "ratios_from": "quiet" if use else "all"}}
+        quiet_scale = _quiet_rounds(per, KEY + (SCALE,))
+        use_scale = quiet_scale if len(quiet_scale) >= MIN_QUIET_ROUNDS else None
+        summary = {"_rounds": {"all": s.rounds, "quiet": sorted(quiet), "ratios_from": "quiet" if use else "all",
+                               "quiet_with_workers": sorted(quiet_scale),
+                               "workers_ratios_from": "quiet" if use_scale else "all"}}
         for c in runners:
             runs = per[c.key]
             good = [r for r in runs if "error" not in r]
@@ -388,10 +407,14 @@ def http_phase(everyone: list[C.Contender], s: Settings, root: Path, results: di
                 "rss_kib": good[-1].get("rss_kib"),
                 "failed_runs": [r["error"] for r in runs if "error" in r],
             }
+            if c.workers > 1:
+                row["cpu_s_by_process_runs"] = [r.get("cpu_s_by_process") for r in good]
             # Ratios are medians of same-round ratios (adjacent runs), which
             # cancel most of the machine's drift.
             if c.key != "mitmdump":
-                pick = use if c.key in KEY else None  # the references ran too few rounds to filter
+                # The references ran too few rounds to filter; --workers 2 is
+                # filtered by the rounds in which its own run was quiet too.
+                pick = use_scale if c.key == SCALE else use if c.key in KEY else None
                 row["rps_ratio"] = _paired(per, c.key, "mitmdump", "rps", pick)
                 row["p50_ratio"] = _paired(per, c.key, "mitmdump", "p50_us", pick)
                 row["cpu_ratio"] = _paired(per, c.key, "mitmdump", "cpu_us_per_req", pick)
@@ -399,6 +422,10 @@ def http_phase(everyone: list[C.Contender], s: Settings, root: Path, results: di
                 row["rps_vs_default"] = _paired(per, c.key, "sluice", "rps", use)
                 row["p50_vs_default"] = _paired(per, c.key, "sluice", "p50_us", use)
                 row["cpu_vs_default"] = _paired(per, c.key, "sluice", "cpu_us_per_req", use)
+            if c.key == SCALE:  # the scaling: workers vs the single-process Sluice, same policy, same rounds
+                row["rps_vs_single"] = _paired(per, c.key, "sluice", "rps", use_scale)
+                row["p50_vs_single"] = _paired(per, c.key, "sluice", "p50_us", use_scale)
+                row["cpu_vs_single"] = _paired(per, c.key, "sluice", "cpu_us_per_req", use_scale)
             summary[c.key] = row
         results["http"][str(conns)] = summary
 
