@@ -233,8 +233,11 @@ class _BodyCounter:
         if self.tripped:
             # Whatever comes after the cap (more data, or the end of the body,
             # which mitmproxy would frame as a clean finish) never reaches the
-            # client: its writer is shut now, synchronously.
-            connections.shut_client_writer(self.flow.client_conn)
+            # other side: its writer is shut now, synchronously.
+            if self.request:
+                connections.shut_server_writer(self.flow.client_conn, self.flow.server_conn)
+            else:
+                connections.shut_client_writer(self.flow.client_conn)
             return []  # b"" would go out as a zero-length chunk: an end of body
         if not chunk:
             return chunk

@@ -46,6 +46,16 @@ def shut_client_writer(client: connection.Client) -> None:
         io.writer.close()
 
 
+def shut_server_writer(client: connection.Client, server: connection.Server) -> None:
+    """Stop anything more reaching a server: an upload cut at its cap must
+    never be completed by mitmproxy's final empty chunk (the origin would
+    take a truncated body for a whole one). Safe inside event processing."""
+    handler = _handler(client.id)
+    io = handler.transports.get(server) if handler is not None else None
+    if io is not None and io.writer is not None and not io.writer.is_closing():
+        io.writer.close()
+
+
 def close_client(client: connection.Client) -> bool:
     """Close the client connection and every server connection it holds."""
     handler = _handler(client.id)

@@ -505,3 +505,14 @@ def test_profile_strips_named_request_headers(intercept_proxy, special):
     stripped = headers_seen("127.0.0.2")  # the `strict` profile strips Cookie
     assert "cookie" not in stripped and "x-keep" in stripped
     assert "cookie" in headers_seen("127.0.0.1")  # the top level does not
+
+
+def test_tls_to_a_plain_port_is_bounded_by_request_timeout(proxy, special):
+    # An absolute-form https:// URL to a port that speaks plain HTTP: the
+    # upstream TLS handshake never completes; the exchange still ends in time.
+    started = time.time()
+    with socket.create_connection(proxy.address, timeout=15) as s:
+        s.sendall(b"GET https://special.example:80/ HTTP/1.1\r\nHost: special.example\r\nConnection: close\r\n\r\n")
+        head = s.recv(4096)
+    assert time.time() - started < 10
+    assert head.startswith(b"HTTP/1.1 50"), head[:200]
