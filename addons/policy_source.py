@@ -47,6 +47,7 @@ class PolicySource:
         self._last_seen: tuple | None = None  # what the file looked like at the last check
         self._missing_reported = False
         self.poll_seconds = 1.0
+        self._reload_failed = False  # the last reload attempt failed
 
     def load(self, loader) -> None:
         loader.add_option(
@@ -126,6 +127,7 @@ class PolicySource:
                 logger.warning(f"{path}: the policy file is gone; keeping the last good policy")
                 self.audit.write(event="reload", decision="failed", detail=f"{path} is missing; last good policy kept")
                 self._missing_reported = True
+                self._reload_failed = True
             return False
         self._missing_reported = False
         try:
@@ -135,9 +137,14 @@ class PolicySource:
                 logger.error(str(problem))
             logger.error(f"{path}: reload refused ({len(e.problems)} problem(s)); keeping the last good policy")
             self.audit.write(event="reload", decision="failed", detail="; ".join(str(p) for p in e.problems[:20]))
+            self._reload_failed = True
             return False
         if self.current is not None and digest == self.current.digest:
+            if self._reload_failed:  # the last good file is back: say so
+                self._reload_failed = False
+                self.audit.write(event="reload", decision="ok", detail=f"{path} restored (generation {self.current.generation})")
             return True  # touched, not changed
+        self._reload_failed = False
         live = self.install(policy, digest)
         logger.warning(f"{path}: policy reloaded (generation {live.generation})")
         self.audit.write(event="reload", decision="ok", detail=f"{path} generation {live.generation}")

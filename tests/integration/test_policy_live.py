@@ -214,3 +214,14 @@ def test_require_client_refuses_unknown_clients_with_407(sluice_factory):
     assert r.status_code == 407 and r.headers["sluice-reason"] == "client_unknown"
     with httpx.Client(proxy=f"http://bot:s3cret@127.0.0.1:{proxy.port}", trust_env=False, timeout=10) as c:
         assert c.get("http://public.example/").status_code == 200
+
+
+def test_restoring_the_last_good_file_after_a_failed_reload_is_audited_ok(reloading):
+    good = reloading.policy_file.read_text()
+    mark = reloading.audit_mark()
+    write_policy(reloading.policy_file, "version: 1\nports: [80, 'x']\n")
+    reloading.wait_audit(lambda e: e["event"] == "reload" and e["decision"] == "failed", since=mark)
+    mark = reloading.audit_mark()
+    write_policy(reloading.policy_file, good)
+    line = reloading.wait_audit(lambda e: e["event"] == "reload" and e["decision"] == "ok", since=mark)
+    assert "restored" in line["detail"]
