@@ -36,7 +36,7 @@ from relkit import KeepAlive, get, quiet_fds, scaled, settle_fds
 
 pytestmark = pytest.mark.netns
 
-EXCHANGE_TIMEOUT = 10.0  # seconds one fuzzed exchange may take (DNS timeout is 2s)
+EXCHANGE_TIMEOUT = 10.0  # seconds one fuzzed exchange may take (DNS timeout 2s, request_timeout 3s)
 LOADER_TIME_BOUND = 2.0  # seconds one load_policy_text call may take (fuzzed inputs are < 10 KB)
 # Seconds for the pathological inputs (up to 3 MB, under the loader's 4 MiB
 # cap): pure-Python PyYAML reads ~1 MB/s here, so this bounds a linear cost
@@ -363,11 +363,11 @@ SCALARS = st.one_of(
 KEYS = st.one_of(st.sampled_from(TOP_KEYS + SUB_KEYS), st.text(max_size=12), st.integers(-5, 5), st.booleans())
 
 
-def _nested(children):
-    return st.one_of(st.lists(children, max_size=5), st.dictionaries(KEYS, children, max_size=5))
-
-
-STRUCTURED = st.recursive(SCALARS, _nested, max_leaves=40)
+STRUCTURED = st.recursive(
+    SCALARS,
+    lambda children: st.one_of(st.lists(children, max_size=5), st.dictionaries(KEYS, children, max_size=5)),
+    max_leaves=40,
+)
 
 
 @st.composite

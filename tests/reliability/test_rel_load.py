@@ -5,7 +5,7 @@ and for allowed requests the origin's own body), nothing may error, every
 decision must have its audit line, and afterwards the proxy's open file
 descriptors and memory must be back near where they started.
 
-Default: 5,000 requests after a 1,000-request warm-up; SLUICE_LONG=1: 20,000.
+Default: 20,000 requests after a 1,000-request warm-up; SLUICE_LONG=1: 60,000.
 """
 
 from __future__ import annotations
@@ -28,10 +28,10 @@ from relkit import KeepAlive, connect_tunnel, cpu_seconds, fd_targets, get, quie
 pytestmark = pytest.mark.netns
 
 CLIENTS = 64
-TOTAL = scaled(5_000, 20_000)
+TOTAL = scaled(20_000, 60_000)
 WARMUP = 1_000
 # Seconds one phase may take at most (the run fails, not hangs, past it).
-PHASE_DEADLINE = scaled(150, 400)
+PHASE_DEADLINE = scaled(240, 600)
 
 # After the clients close, the proxy's fd count must come back to within this
 # of the baseline (taken after the warm-up, idle) within FD_SETTLE seconds.
@@ -40,7 +40,12 @@ PHASE_DEADLINE = scaled(150, 400)
 # leak of more than a handful of sockets out of thousands of connections.
 FD_TOLERANCE = 10
 FD_SETTLE = 15.0
-# Memory: see test_mixed_load for how these were measured.
+# Memory, measured on 2 cores: RSS ~90 MiB idle; after the warm-up it grows
+# by 0.7-2.8 MiB over 20,000 requests (3.7 MiB over 60,000), and by 0-1.4
+# MiB over the second half. Python's allocator keeps what it once used, so a
+# bound on the second half is the leak detector: 12 MiB over 10,000 requests
+# catches anything that keeps more than ~1.2 KiB per request (a retained flow
+# is several KiB); the total bound leaves room for arenas and caches.
 RSS_GROWTH_TOTAL_KIB = 32 * 1024  # baseline (after warm-up) -> end
 RSS_GROWTH_PHASE_KIB = 12 * 1024  # first half -> second half (steady growth = a leak)
 
@@ -239,7 +244,7 @@ def _audit_lines(proxy) -> list[dict]:
     return proxy.audit()
 
 
-@pytest.mark.timeout(scaled(200, 600))
+@pytest.mark.timeout(scaled(540, 1300))
 def test_mixed_load(load_proxy, net, tls_ca, capsys):
     proxy = load_proxy
     pid = proxy.proc.pid
