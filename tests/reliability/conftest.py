@@ -2,8 +2,8 @@
 all inside the private network namespace (`make test`, or
 `scripts/in-netns.sh .venv/bin/pytest -q tests/reliability`).
 
-Every test must carry @pytest.mark.netns. The autouse `canaries` guard here is
-this directory's own equivalent of tests/integration's: it resets every
+Every test must carry @pytest.mark.netns. The autouse `canaries` guard
+(tests/harness/canaries.py, shared with tests/integration): it resets every
 origin/canary counter before a test and fails the test if any canary
 listener (127.0.0.1, 10.0.0.1, 169.254.169.254, 100.100.100.200,
 [fd00:ec2::254], [::1] on 80/443/8080) accepted a connection.
@@ -15,32 +15,13 @@ from __future__ import annotations
 
 import pytest
 
+from harness.canaries import guard_canaries
 from relkit import FaultOrigin
-
-
-class CanaryGuard:
-    def __init__(self, net):
-        self.net = net
-
-    def hits(self) -> dict[str, int]:
-        return {c.name: c.connections for c in self.net.canaries.values() if c.connections}
-
-    def assert_untouched(self) -> None:
-        hits = self.hits()
-        assert not hits, f"canary listeners were connected to: {hits}"
 
 
 @pytest.fixture(autouse=True)
 def canaries(request, netns):
-    if request.node.get_closest_marker("netns") is None:
-        pytest.fail(f"{request.node.nodeid}: reliability tests must be marked @pytest.mark.netns", pytrace=False)
-    net = request.getfixturevalue("net")
-    net.reset()
-    guard = CanaryGuard(net)
-    yield guard
-    hits = guard.hits()
-    if hits:
-        pytest.fail(f"canary listeners were connected to during this test: {hits}", pytrace=False)
+    yield from guard_canaries(request, "reliability")
 
 
 @pytest.fixture(scope="session")
