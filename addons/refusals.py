@@ -31,8 +31,10 @@ def refusal_headers(refusal: Refusal) -> dict[str, str]:
         "Proxy-Status": f'sluice; error={error}; details="{refusal.reason.value}"',
         "Cache-Control": "no-store",
     }
-    if refusal.reason is Reason.CLIENT_UNKNOWN:
+    if refusal.reason in (Reason.CLIENT_UNKNOWN, Reason.AUTH_THROTTLED):
         headers["Proxy-Authenticate"] = 'Basic realm="sluice"'
+    if refusal.retry_after is not None:
+        headers["Retry-After"] = str(refusal.retry_after)
     return headers
 
 

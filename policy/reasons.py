@@ -32,6 +32,16 @@ class Reason(StrEnum):
     REDIRECT_REFUSED = "redirect_refused"
     HOST_MISMATCH = "host_mismatch"
     INTERNAL_ERROR = "internal_error"
+    PIN_MISMATCH = "pin_mismatch"
+    CLIENT_PROTOCOL_REFUSED = "client_protocol_refused"
+    UPGRADE_REFUSED = "upgrade_refused"
+    NOT_HTTP = "not_http"
+    BAD_REQUEST = "bad_request"
+    HEADERS_TOO_LARGE = "request_headers_too_large"
+    HEADER_TIMEOUT = "header_timeout"
+    AUTH_THROTTLED = "auth_throttled"
+    TUNNEL_REVOKED = "tunnel_revoked"
+    PROXY_LOOP = "proxy_loop"
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +72,16 @@ REASONS: dict[Reason, ReasonInfo] = {
     Reason.REDIRECT_REFUSED: ReasonInfo(403, "the response redirects to a destination the policy refuses"),
     Reason.HOST_MISMATCH: ReasonInfo(403, "inside an intercepted tunnel, the Host header or SNI names another host than the CONNECT target"),
     Reason.INTERNAL_ERROR: ReasonInfo(500, "Sluice failed while deciding (a bug; the proxy log has the details); it refuses rather than guess"),
+    Reason.PIN_MISMATCH: ReasonInfo(502, "an upstream dial or connection was not to the address the gate validated for this client connection; it is closed before any byte passes"),
+    Reason.CLIENT_PROTOCOL_REFUSED: ReasonInfo(400, "the client spoke something the proxy port does not accept: TLS or HTTP/2 to the proxy itself, SOCKS4, SOCKS5 BIND or UDP ASSOCIATE"),
+    Reason.UPGRADE_REFUSED: ReasonInfo(403, "a protocol upgrade other than WebSocket (`Upgrade:` / `101 Switching Protocols`)"),
+    Reason.NOT_HTTP: ReasonInfo(400, "inside an intercepted tunnel the client sent bytes that are not an HTTP request; intercepted tunnels carry only HTTP"),
+    Reason.BAD_REQUEST: ReasonInfo(400, "the request is malformed HTTP (e.g. both Content-Length and Transfer-Encoding); mitmproxy refused to parse it"),
+    Reason.HEADERS_TOO_LARGE: ReasonInfo(431, "the request head is over `limits.max_header_bytes` or has more than `limits.max_header_count` fields"),
+    Reason.HEADER_TIMEOUT: ReasonInfo(408, "the request head did not arrive whole within `limits.header_timeout`"),
+    Reason.AUTH_THROTTLED: ReasonInfo(407, "too many wrong proxy passwords from this address or for this user; retry after the `Retry-After` seconds"),
+    Reason.TUNNEL_REVOKED: ReasonInfo(403, "an open tunnel was closed because a reloaded policy refuses its destination"),
+    Reason.PROXY_LOOP: ReasonInfo(403, "the destination is one of the proxy's own listening addresses"),
 }
 
 # Sent with every refusal so an agent knows this is deliberate and final.
@@ -76,6 +96,7 @@ class Refusal:
     reason: Reason
     detail: str  # what was refused and why, e.g. "169.254.169.254 is link-local (cloud metadata)"
     rule: str | None = None  # where the deciding rule lives (file:line), when a rule decided
+    retry_after: int | None = None  # seconds, sent as Retry-After (throttling refusals)
 
     @property
     def status(self) -> int:
