@@ -95,7 +95,7 @@ class EgressGate:
         request = flow.request
         live = self.live()  # one policy snapshot for the whole decision
         authorization = request.headers.pop(PROXY_AUTHORIZATION, None)  # never forwarded
-        client = self.identity.match(live.policy, flow.client_conn, authorization)
+        client = await self.identity.match(live.policy, flow.client_conn, authorization)
         intercept = connect and client.refusal is None and _intercepts(client.rules, request.host)
         dest = Destination(
             host=request.host, port=request.port,
@@ -159,7 +159,7 @@ class EgressGate:
             self._refuse_dial(data, host, port, Decision(False, None, refusal, port=port), None)
             return
         live = self.live()
-        client = self.identity.match(live.policy, data.client, None)
+        client = await self.identity.match(live.policy, data.client, None)
         if client.refusal is not None:
             self._refuse_dial(data, host, port, Decision(False, None, client.refusal, port=port), None)
             return

@@ -50,7 +50,7 @@ class ClientIdentifier:
                 self._verified.popitem(last=False)
         return known
 
-    def match(self, policy: Policy, client: connection.Client, authorization: str | None) -> ClientMatch:
+    async def match(self, policy: Policy, client: connection.Client, authorization: str | None) -> ClientMatch:
         source = client.peername[0] if client.peername else None
         if source and source.startswith("::ffff:"):
             source = source[7:]  # dual-stack sockets report IPv4 clients as mapped
