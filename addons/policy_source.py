@@ -19,6 +19,7 @@ import logging
 import os
 import signal
 from dataclasses import dataclass
+from typing import Callable
 
 from mitmproxy import ctx, exceptions
 
@@ -48,6 +49,19 @@ class PolicySource:
         self._missing_reported = False
         self.poll_seconds = 1.0
         self._reload_failed = False  # the last reload attempt failed
+        self._listeners: list[Callable[[LivePolicy], None]] = []
+
+    def on_reload(self, callback: Callable[[LivePolicy], None]) -> None:
+        """Call `callback(live)` on the event loop after each reload that swapped
+        in a changed policy (not the first load, not an unchanged file)."""
+        self._listeners.append(callback)
+
+    def _notify(self, live: LivePolicy) -> None:
+        for callback in list(self._listeners):
+            try:
+                callback(live)
+            except Exception:  # a listener's bug must never break reloading
+                logger.exception(f"policy reload listener {callback!r} failed")
 
     def load(self, loader) -> None:
         loader.add_option(
@@ -148,6 +162,7 @@ class PolicySource:
         live = self.install(policy, digest)
         logger.warning(f"{path}: policy reloaded (generation {live.generation})")
         self.audit.write(event="reload", decision="ok", detail=f"{path} generation {live.generation}")
+        self._notify(live)
         return True
 
     @staticmethod
