@@ -2,11 +2,15 @@
 
     python -m bench            full run (about 5 minutes), inside scripts/in-netns.sh
     python -m bench --quick    shorter runs (about 1.5 minutes)
+    python -m bench --only connect
+                               only the named phases (comma-separated: micro, idle,
+                               http, connect, tunnel); `connect` is CONNECT setups/s
     python -m bench micro      the decision microbenchmark only; no namespace needed
     python -m bench deps       install nginx-light, wrk and tinyproxy if missing
                                (as root, outside the namespace: `make bench` does it)
     python -m bench profile    cProfile of Sluice and mitmdump under the 16-connection
-                               load, top functions (inside the namespace)
+                               load, a tunnel download and CONNECT setups, top functions
+                               (inside the namespace; --only connect for that one)
 """
 
 from __future__ import annotations
@@ -18,6 +22,16 @@ from pathlib import Path
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
+def _phases(text: str) -> tuple[str, ...]:
+    from bench.run import PHASES
+
+    names = tuple(dict.fromkeys(n.strip() for n in text.split(",") if n.strip()))
+    unknown = [n for n in names if n not in PHASES]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"unknown phase(s) {unknown}; choose from {', '.join(PHASES)}")
+    return tuple(n for n in PHASES if n in names)  # always in the full run's order
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -25,6 +39,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="shorter runs, rougher numbers")
     p.add_argument("--out", type=Path, default=RESULTS, help="where latest.md and latest.json go (default: %(default)s)")
     p.add_argument("--seconds", type=float, default=10.0, help="profile: seconds of load per proxy")
+    p.add_argument("--only", type=_phases, default=None,
+                   help="run: only these phases, comma-separated (micro, idle, http, connect, tunnel); "
+                        "profile: only these scenarios (http, tunnel, connect)")
     args = p.parse_args(argv)
 
     if args.command == "deps":
@@ -43,12 +60,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "profile":
         from bench import profile
 
-        return profile.main(args.seconds)
+        return profile.main(args.seconds, args.only)
 
     from bench import report, run
 
     try:
-        results = run.run(run.Settings(quick=args.quick), log=lambda m: print(m, file=sys.stderr, flush=True))
+        results = run.run(run.Settings(quick=args.quick, only=args.only),
+                          log=lambda m: print(m, file=sys.stderr, flush=True))
     except run.NotInNamespace as e:
         print(f"bench: {e}", file=sys.stderr)
         return 2

@@ -1,5 +1,6 @@
 """The things compared: the origin directly, plain mitmdump, Sluice with two
-policies, Sluice with two worker processes, and tinyproxy. Each proxy is its
+policies, Sluice with two worker processes, and tinyproxy. `roles` says which
+phases measure a contender (micro needs none). Each proxy is its
 own process (or process tree, for --workers) on its own port."""
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ class Contender:
     key: str
     label: str
     port: int | None = None  # None: the origin itself
-    roles: frozenset[str] = frozenset({"http", "tunnel", "idle"})
+    roles: frozenset[str] = frozenset({"http", "tunnel", "idle", "connect"})
     proc: procs.Proc | None = None
     error: str | None = None  # why this contender is n/a
     url_host: str = NAME  # what goes into the request line / CONNECT
@@ -67,7 +68,8 @@ class Contender:
 
 def all_contenders() -> list[Contender]:
     return [
-        Contender("direct", "direct to nginx (no proxy)", None, frozenset({"http", "tunnel"})),
+        # For CONNECT setups: straight to the echo origin, no CONNECT (the load side's ceiling).
+        Contender("direct", "direct to nginx (no proxy)", None, frozenset({"http", "tunnel", "connect"})),
         Contender("mitmdump", "mitmdump (plain, no addon)", 18080),
         Contender("mitmdump-tcp", "mitmdump, tunnels as TCP flows (tcp_hosts=.*)", 18085, frozenset({"tunnel", "idle"})),
         Contender("sluice", "Sluice, default policy", 18081),

@@ -1,6 +1,6 @@
 """Load generators, each bounded in count and time: wrk for request rate and
-latency, curl for a tunnelled download, plain sockets for idle tunnels, and
-one-request probes. Targets are only the origin and proxies inside the
+latency, curl for a tunnelled download, plain sockets for idle tunnels,
+bench.connects for CONNECT setups per second, and one-request probes. Targets are only the origin and proxies inside the
 benchmark's network namespace."""
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ import json
 import shutil
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -153,3 +154,29 @@ def close_all(socks: list[socket.socket]) -> None:
             s.close()
         except OSError:
             pass
+
+
+def connect_setups(proxy: tuple[str, int], target: str | None, *, clients: int, seconds: float,
+                   max_setups: int | None = None) -> dict:
+    """One run of bench.connects' load in its own process (on the CPUs this
+    process runs on): fresh connection, CONNECT target, echo, close, from
+    `clients` concurrent loops for `seconds`. target None: straight to the
+    origin at `proxy`, no CONNECT. Returns its numbers, or {"error": ...}."""
+    argv = [sys.executable, "-m", "bench.connects", "load", "--proxy", f"{proxy[0]}:{proxy[1]}",
+            "--clients", str(clients), "--seconds", str(seconds)]
+    argv += ["--direct"] if target is None else ["--target", target]
+    if max_setups is not None:
+        argv += ["--max-setups", str(max_setups)]
+    try:
+        done = procs.run(argv, timeout=seconds + 40)
+    except subprocess.TimeoutExpired:
+        return {"error": "the CONNECT load did not finish in time"}
+    for line in done.stdout.splitlines():
+        if line.startswith("BENCHJSON "):
+            r = json.loads(line[len("BENCHJSON "):])
+            if r["setups"] == 0:
+                r["error"] = "no setup completed" + (f": {r['error_samples'][0]}" if r["error_samples"] else "")
+            elif r["errors"] > 0.01 * (r["setups"] + r["errors"]):
+                r["error"] = f"{r['errors']} failed setups against {r['setups']}: {r['error_samples'][:2]}"
+            return r
+    return {"error": f"CONNECT load exit {done.returncode}: {(done.stderr or done.stdout).strip()[-300:]}"}

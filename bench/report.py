@@ -126,6 +126,88 @@ def tunnel_table(results: dict) -> list[str]:
     return lines
 
 
+CONNECT_ORDER = ["mitmdump", "sluice", "sluice-10k", "tinyproxy", "direct"]
+BASELINE = Path(__file__).resolve().parent / "connect-baseline.json"  # measured before the security work
+
+
+def _spread(values: list[float] | None, fmt=_num) -> str:
+    values = sorted(values or [])
+    return f"{fmt(values[0])}–{fmt(values[-1])}" if len(values) > 1 else "–"
+
+
+def connect_table(results: dict) -> list[str]:
+    rows = results.get("connect") or {}
+    s = results["settings"]
+    q = rows.get("_rounds") or {}
+    lines = [
+        f"CONNECT setups per second: {s.get('connect_clients', 16)} concurrent clients, each looping over a new TCP "
+        f"connection, `CONNECT public.example:443`, the 200, a TLS ClientHello (517 bytes) sent and echoed back by the "
+        f"origin ({results.get('connect_origin')}), close. {s.get('connect_duration', 4):g} s per run after a "
+        f"{s['warmup']:g} s warm-up; mitmdump and the Sluices ran {q.get('all', s['rounds'])} interleaved rounds, the "
+        f"references {s['side_rounds']}; values are medians over rounds, ratios medians of same-round ratios against "
+        f"plain mitmdump, latency is the whole loop (connect to echo). CPU per setup: the proxy's CPU time over a run "
+        f"divided by the setups it completed.",
+        "",
+        "| Contender | setups/s | runs | vs mitmdump | p50 | p99 | time to 200 (p50) | CPU per setup | vs mitmdump |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for key in CONNECT_ORDER:
+        r = rows.get(key)
+        if r is None:
+            continue
+        label = _label(results, key)
+        if key == "direct":
+            label = "direct to the echo origin (no proxy, no CONNECT: the load side's ceiling)"
+        if "error" in r:
+            lines.append(f"| {label} | {_na(r['error'])} | | | | | | | |")
+            continue
+        one = key == BASE
+        errs = f" ({r['errors']} failed)" if r.get("errors") else ""
+        ratio = "–" if key == "direct" else _ratio(1.0 if one else r.get("rate_ratio"))
+        cpu_ratio = "–" if key == "direct" or not r.get("cpu_us_per_setup") else _ratio(1.0 if one else r.get("cpu_ratio"))
+        lines.append(
+            f"| {label} | {_num(r['rate'])}{errs} | {_spread(r.get('rate_runs'))} | {ratio} | {_ms(r['p50_ms'])} | "
+            f"{_ms(r['p99_ms'])} | {_ms(r['to_200_p50_ms'])} | {_cpu(r.get('cpu_us_per_setup'))} | {cpu_ratio} |")
+    return lines
+
+
+def connect_baseline() -> dict | None:
+    try:
+        return json.loads(BASELINE.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+
+
+def connect_notes(results: dict) -> list[str]:
+    rows = results.get("connect") or {}
+    notes = []
+    large = rows.get("sluice-10k", {})
+    if large.get("rate_vs_default") is not None:
+        notes.append(f"CONNECT setups: the 10k-rule policy ran at {_ratio(large['rate_vs_default'])} the default "
+                     f"policy's setups/s, CPU per setup {_ratio(large.get('cpu_vs_default'))} (same rounds)")
+    q = rows.get("_rounds")
+    if q and q["all"] > 1:
+        how = ("only those were used for the ratios" if q["ratios_from"] == "quiet"
+               else "too few, so the ratios use every round")
+        notes.append(f"CONNECT setups: {len(q['quiet'])} of {q['all']} rounds were quiet; {how}")
+    base = connect_baseline()
+    now = rows.get("sluice", {})
+    if base and now.get("rate_ratio") is not None:
+        then = [r["sluice_vs_mitmdump"] for r in base.get("runs", []) if r.get("sluice_vs_mitmdump")]
+        then_cpu = [r["cpu_vs_mitmdump"] for r in base.get("runs", []) if r.get("cpu_vs_mitmdump")]
+        if then:
+            mid = sorted(then)[len(then) // 2]
+            change = now["rate_ratio"] / mid - 1
+            notes.append(
+                f"CONNECT setups against the baseline measured on {base.get('commit')} ({base.get('when')}, before the "
+                f"security work; {len(then)} runs of this scenario): Sluice then made {_ratio(mid)} mitmdump's setups/s "
+                f"(runs {', '.join(_ratio(x) for x in sorted(then))}), now {_ratio(now['rate_ratio'])}, {change:+.0%}"
+                + (f"; CPU per setup then {_ratio(sorted(then_cpu)[len(then_cpu) // 2])} mitmdump's, now "
+                   f"{_ratio(now.get('cpu_ratio'))}" if then_cpu and now.get("cpu_ratio") else "")
+                + ". The run-to-run spread of this ratio is about ±10%.")
+    return notes
+
+
 def targets(results: dict) -> list[tuple[str, str, bool | None]]:
     out: list[tuple[str, str, bool | None]] = []
     for conns, rows in results["http"].items():
@@ -212,22 +294,22 @@ def machine_line(results: dict) -> str:
 
 
 def markdown(results: dict) -> str:
-    parts = [
-        "## Performance",
-        "",
-        machine_line(results),
-        "",
-        *http_table(results),
-        "",
-        *tunnel_table(results),
-        "",
-        "Policy decision alone (`check_request` + `check_answers`, DNS answer in hand), median of rounds:",
-        "",
-        *micro.table(results["micro"]),
-        "",
-        *target_table(results),
-    ]
+    phases = results["settings"].get("run_phases") or ("micro", "idle", "http", "connect", "tunnel")
+    parts = ["## Performance", "", machine_line(results)]
+    if "http" in phases:
+        parts += ["", *http_table(results)]
+    if "connect" in phases:
+        parts += ["", *connect_table(results)]
+    if "tunnel" in phases or "idle" in phases:
+        parts += ["", *tunnel_table(results)]
+    if "micro" in phases:
+        parts += ["", "Policy decision alone (`check_request` + `check_answers`, DNS answer in hand), median of rounds:",
+                  "", *micro.table(results["micro"])]
+    if {"http", "tunnel", "micro"} <= set(phases):
+        parts += ["", *target_table(results)]
     notes = list(results.get("notes") or [])
+    if "connect" in phases:
+        notes += connect_notes(results)
     for conns, rows in results["http"].items():
         for key in ("mitmdump", "sluice", SCALE, "sluice-10k"):
             ups = [u for u in (rows.get(key, {}).get("upstream_conns_runs") or []) if u is not None]
@@ -243,14 +325,14 @@ def markdown(results: dict) -> str:
     scale = scaling_note(results)
     if scale:
         notes.append(scale)
-    runs = [x for rows in results["http"].values() for k, r in rows.items() if not k.startswith("_")
-            for x in r.get("foreign_cores_runs", []) if x is not None]
+    runs = [x for rows in [*results["http"].values(), results.get("connect") or {}] for k, r in rows.items()
+            if not k.startswith("_") for x in r.get("foreign_cores_runs", []) if x is not None]
     if runs:
         runs.sort()
         busy = sum(1 for x in runs if x >= 0.25)
         notes.append(f"other processes on the machine (not this benchmark's) used {results.get('foreign_cores', 0):.2f} "
                      f"cores on average over the whole run (and the hypervisor reported {results.get('steal_cores', 0):.2f} "
-                     f"cores stolen); during the request-rate runs a median {runs[len(runs) // 2]:.2f}, "
+                     f"cores stolen); during the request-rate and CONNECT runs a median {runs[len(runs) // 2]:.2f}, "
                      f"at most {runs[-1]:.2f}" + (f" ({busy} of {len(runs)} runs had ≥ 0.25 cores of other load: "
                                                   "treat single numbers with care)" if busy else ""))
     if results.get("settings", {}).get("quick"):
@@ -262,8 +344,11 @@ def markdown(results: dict) -> str:
 
 
 def write(results: dict, out_dir: Path) -> tuple[Path, Path]:
+    """latest.md/.json for a full run; latest-PHASE[-PHASE].md/.json for `--only`."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    md, js = out_dir / "latest.md", out_dir / "latest.json"
+    only = (results.get("settings") or {}).get("only")
+    stem = "latest" if not only else "latest-" + "-".join(only)
+    md, js = out_dir / f"{stem}.md", out_dir / f"{stem}.json"
     md.write_text(markdown(results), encoding="utf-8")
     js.write_text(json.dumps(results, indent=2, default=str) + "\n", encoding="utf-8")
     return md, js

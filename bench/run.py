@@ -25,13 +25,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench import contenders as C
-from bench import load, micro, origin, policies, procs
+from bench import connects, load, micro, origin, policies, procs
 from bench.fakedns import FakeDNS
 
 
 @dataclass(frozen=True)
 class Settings:
     quick: bool = False
+    only: tuple[str, ...] | None = None  # a subset of PHASES (`--only connect`); None: all
 
     @property
     def duration(self) -> float:  # seconds measured per wrk run
@@ -67,6 +68,23 @@ class Settings:
     @property
     def idle_connections(self) -> int:
         return 100 if self.quick else 500
+
+    # CONNECT setups per second (bench.connects): rounds and side_rounds as above.
+    @property
+    def connect_duration(self) -> float:  # seconds measured per run
+        return 3 if self.quick else 4
+
+    @property
+    def connect_clients(self) -> int:
+        return 16
+
+    @property
+    def run_phases(self) -> tuple[str, ...]:
+        return self.only or PHASES
+
+
+# What `--only` may name; a full run does them all, in this order.
+PHASES = ("micro", "idle", "http", "connect", "tunnel")
 
 
 class NotInNamespace(Exception):
@@ -151,24 +169,29 @@ def run(settings: Settings, log=print) -> dict:
         os.sched_setaffinity(0, layout[0])  # inherited by nginx, wrk, curl
     results: dict = {"settings": {k: getattr(settings, k) for k in
                                   ("quick", "duration", "warmup", "rounds", "side_rounds", "connections", "tunnel_bytes",
-                                   "tunnel_rounds", "idle_connections")}
+                                   "tunnel_rounds", "idle_connections", "connect_duration", "connect_clients", "only",
+                                   "run_phases")}
                      | {"cpus": {"load": sorted(layout[0]), "proxy": sorted(layout[1]),
                                  "unpinned": {"cpus": sorted(all_cpus), "contenders": [SCALE]}} if layout else None},
-                     "machine": machine(), "micro": None, "http": {}, "tunnel": {}, "idle": {},
+                     "machine": machine(), "micro": None, "http": {}, "tunnel": {}, "idle": {}, "connect": {},
                      "contenders": {}, "origin": None, "notes": []}
+    phases = settings.run_phases
+    _tcp_tw_reuse(results)
     with tempfile.TemporaryDirectory(prefix="sluice-bench-") as tmp:
         root = Path(tmp)
         root.chmod(0o755)
         policy_files = policies.write_all(root)
 
-        log("bench: decision microbenchmark")
-        try:
-            results["micro"] = micro.run(policy_files, quick=settings.quick)
-        except Exception as e:  # e.g. the policy format moved on: report it, run the rest
-            results["micro"] = {"error": f"{type(e).__name__}: {e}"}
+        if "micro" in phases:
+            log("bench: decision microbenchmark")
+            try:
+                results["micro"] = micro.run(policy_files, quick=settings.quick)
+            except Exception as e:  # e.g. the policy format moved on: report it, run the rest
+                results["micro"] = {"error": f"{type(e).__name__}: {e}"}
 
         dns = FakeDNS()
-        everyone = C.all_contenders()
+        # Only the contenders some chosen phase measures are started.
+        everyone = [c for c in C.all_contenders() if c.roles & set(phases)]
         try:
             try:
                 dns.start()
@@ -181,6 +204,8 @@ def run(settings: Settings, log=print) -> dict:
                 results["origin"] = f"none: {e}"
                 for c in everyone:
                     c.error = "the origin did not start"
+            if "connect" in phases:
+                results["connect_origin"] = _start_echo(root)
             origin_up = not results["origin"].startswith("none")
             wrapper = C.hosts_wrapper(root) if origin_up else None
             if wrapper is None and origin_up:
@@ -195,9 +220,14 @@ def run(settings: Settings, log=print) -> dict:
             results["contenders"] = {c.key: {"label": c.label, "error": c.error, "notes": c.notes,
                                              "rss_start_kib": c.rss_kib()} for c in everyone}
 
-            idle_phase(everyone, settings, results, log)  # first: fresh processes, no freed memory to reuse
-            http_phase(everyone, settings, root, results, log, all_cpus)
-            tunnel_phase(everyone, settings, results, log)
+            if "idle" in phases:
+                idle_phase(everyone, settings, results, log)  # first: fresh processes, no freed memory to reuse
+            if "http" in phases:
+                http_phase(everyone, settings, root, results, log, all_cpus)
+            if "connect" in phases:
+                connect_phase(everyone, settings, results, log)
+            if "tunnel" in phases:
+                tunnel_phase(everyone, settings, results, log)
             other, stolen = whole.cores()
             results["foreign_cores"], results["steal_cores"] = round(other, 2), round(stolen, 2)
             for c in everyone:
@@ -223,6 +253,32 @@ def _check_works(c: C.Contender) -> None:
         return
     if status != 200:
         c.error = f"a test request got HTTP {status}: {detail}"
+
+
+def _tcp_tw_reuse(results: dict) -> None:
+    """Let this namespace's outgoing connections reuse TIME_WAIT ports (the
+    setting is per network namespace; the host's is untouched). The CONNECT
+    scenario opens thousands of proxy-to-origin connections to one address,
+    and the proxy closes them first: without this they could run out of
+    ephemeral ports within the 60 s a closed connection waits."""
+    path = Path("/proc/sys/net/ipv4/tcp_tw_reuse")
+    try:
+        if path.read_text().strip() != "1":
+            path.write_text("1\n")
+    except OSError as e:
+        results["notes"].append(f"could not set net.ipv4.tcp_tw_reuse=1 in the namespace ({e}); "
+                                "CONNECT runs may meet ephemeral port exhaustion")
+
+
+def _start_echo(root: Path) -> str:
+    """The CONNECT scenario's origin: an echo server on 8.8.8.8:443."""
+    proc = procs.Proc("echo", [sys.executable, "-m", "bench.connects", "origin", connects.HOST, str(connects.PORT)],
+                      root / "echo.log")
+    try:
+        proc.start().wait_port(connects.HOST, connects.PORT, timeout=15)
+    except (procs.StartError, OSError) as e:
+        return f"none: {e}"
+    return f"asyncio echo server on {connects.HOST}:{connects.PORT}"
 
 
 def _usable(c: C.Contender, role: str) -> bool:
@@ -428,6 +484,94 @@ def http_phase(everyone: list[C.Contender], s: Settings, root: Path, results: di
                 row["cpu_vs_single"] = _paired(per, c.key, "sluice", "cpu_us_per_req", use_scale)
             summary[c.key] = row
         results["http"][str(conns)] = summary
+
+
+CONNECT_KEYS = ("mitmdump", "sluice", "sluice-10k")  # every round; tinyproxy and direct are references
+
+
+def connect_phase(everyone: list[C.Contender], s: Settings, results: dict, log) -> None:
+    """CONNECT setups per second: `connect_clients` concurrent loops of a new
+    connection, CONNECT, a ClientHello's worth of bytes echoed, close
+    (bench.connects). Rounds interleaved in alternating order like the
+    request-rate phase; ratios are medians of same-round ratios."""
+    runners = [c for c in everyone if "connect" in c.roles]
+    results["connect"] = {}
+    if str(results.get("connect_origin", "none")).startswith("none"):
+        for c in runners:
+            results["connect"][c.key] = {"error": f"no echo origin ({results.get('connect_origin')})"}
+        return
+    log(f"bench: CONNECT setups ({s.connect_clients} clients, {s.connect_duration:g} s runs): warm-up")
+
+    def measure(c: C.Contender, seconds: float) -> dict:
+        if c.proxy is None:
+            return load.connect_setups((connects.HOST, connects.PORT), None, clients=s.connect_clients,
+                                       seconds=seconds)
+        return load.connect_setups(c.proxy, f"{c.url_host}:{connects.PORT}", clients=s.connect_clients,
+                                   seconds=seconds)
+
+    warm_failed: dict[str, str] = {}
+    for c in runners:
+        if _usable(c, "connect"):
+            warm = measure(c, s.warmup)
+            if "error" in warm and not warm.get("setups"):
+                warm_failed[c.key] = warm["error"]
+    per: dict[str, list[dict]] = {c.key: [] for c in runners}
+    for rnd in range(s.rounds):
+        order = [c for c in runners if (c.key in CONNECT_KEYS or rnd < s.side_rounds)
+                 and _usable(c, "connect") and c.key not in warm_failed]
+        if rnd % 2:
+            order.reverse()
+        log(f"bench: CONNECT setups, round {rnd + 1}/{s.rounds}: " + " ".join(c.key for c in order))
+        for c in order:
+            cpu0 = c.cpu_seconds()
+            foreign = procs.ForeignLoad()
+            r = measure(c, s.connect_duration)
+            cpu1 = c.cpu_seconds()
+            other, stolen = foreign.cores()
+            r["foreign_cores"], r["steal_cores"] = round(other, 2), round(stolen, 2)
+            if cpu0 is not None and cpu1 is not None and r.get("setups"):
+                # Includes the setups still in flight at the end: a slight overestimate, alike for all.
+                r["cpu_us_per_setup"] = (cpu1 - cpu0) / r["setups"] * 1e6
+            r["round"] = rnd
+            per[c.key].append(r)
+    quiet = _quiet_rounds(per, CONNECT_KEYS)
+    use = quiet if len(quiet) >= MIN_QUIET_ROUNDS else None
+    summary: dict = {"_rounds": {"all": s.rounds, "quiet": sorted(quiet), "ratios_from": "quiet" if use else "all"}}
+    for c in runners:
+        runs = per[c.key]
+        good = [r for r in runs if "error" not in r]
+        if not good:
+            summary[c.key] = {"error": c.error or warm_failed.get(c.key) or (runs[0]["error"] if runs else "not run")}
+            continue
+        cpus = [r["cpu_us_per_setup"] for r in good if "cpu_us_per_setup" in r]
+        row = {
+            "rate": statistics.median(r["rate"] for r in good),
+            "p50_ms": statistics.median(r["p50_ms"] for r in good),
+            "p99_ms": statistics.median(r["p99_ms"] for r in good),
+            "to_200_p50_ms": statistics.median(r["to_200_p50_ms"] for r in good),
+            "cpu_us_per_setup": statistics.median(cpus) if cpus else None,
+            "rounds": len(good),
+            "rate_runs": [round(r["rate"], 1) for r in good],
+            "p50_ms_runs": [round(r["p50_ms"], 2) for r in good],
+            "cpu_us_per_setup_runs": [round(x) for x in cpus],
+            "foreign_cores_runs": [r.get("foreign_cores") for r in good],
+            "setups": sum(r["setups"] for r in good),
+            "errors": sum(r["errors"] for r in good),
+            "error_samples": sorted({e for r in runs for e in r.get("error_samples", [])})[:5],
+            "failed_runs": [r["error"] for r in runs if "error" in r],
+        }
+        if c.key != "mitmdump" and c.proxy is not None:
+            pick = use if c.key in CONNECT_KEYS else None  # the references ran too few rounds to filter
+            row["rate_ratio"] = _paired(per, c.key, "mitmdump", "rate", pick)
+            row["p50_ratio"] = _paired(per, c.key, "mitmdump", "p50_ms", pick)
+            row["cpu_ratio"] = _paired(per, c.key, "mitmdump", "cpu_us_per_setup", pick)
+        if c.key == "sluice-10k":
+            row["rate_vs_default"] = _paired(per, c.key, "sluice", "rate", use)
+            row["cpu_vs_default"] = _paired(per, c.key, "sluice", "cpu_us_per_setup", use)
+        summary[c.key] = row
+        log(f"bench:   {c.key}: {row['rate']:.0f} setups/s (runs {row['rate_runs']}), p50 {row['p50_ms']:.1f} ms"
+            + (f", {row['rate_ratio']:.2f}x mitmdump" if row.get("rate_ratio") else ""))
+    results["connect"] = summary
 
 
 def tunnel_phase(everyone: list[C.Contender], s: Settings, results: dict, log) -> None:
