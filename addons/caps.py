@@ -29,7 +29,7 @@ from policy.reasons import Reason, Refusal
 NO_BODY_STATUSES = frozenset({204, 304})
 
 
-def _size(n: int) -> str:
+def size_text(n: int) -> str:
     for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if n >= scale and n % scale == 0:
             return f"{n // scale} {unit}"
@@ -99,10 +99,12 @@ class Caps:
         limits = verdict.limits
         length = flow.request.headers.get("content-length")
         if length is not None and length.strip().isdigit() and int(length) > limits.max_request_bytes:
-            verdict.cap = Refusal(Reason.REQUEST_TOO_LARGE, f"the request body is {int(length)} bytes, over this policy's {_size(limits.max_request_bytes)} cap")
+            verdict.cap = Refusal(Reason.REQUEST_TOO_LARGE, f"the request body is {int(length)} bytes, over this policy's {size_text(limits.max_request_bytes)} cap")
             answer_now(flow, verdict.cap)
             return
-        if length is None and "chunked" in flow.request.headers.get("transfer-encoding", "").lower():
+        if length is None:
+            # Chunked HTTP/1, and HTTP/2 bodies (which need no length at all):
+            # counted as they stream. (An HTTP/1 request with neither has no body.)
             flow.request.stream = _BodyCounter(self, flow, limits.max_request_bytes, request=True)
         loop = asyncio.get_running_loop()
         self._request_deadlines[flow.id] = loop.call_later(
@@ -119,7 +121,7 @@ class Caps:
         has_body = flow.request.method != "HEAD" and response.status_code >= 200 and response.status_code not in NO_BODY_STATUSES
         length = response.headers.get("content-length")
         if has_body and length is not None and length.strip().isdigit() and int(length) > limits.max_response_bytes:
-            verdict.cap = Refusal(Reason.RESPONSE_TOO_LARGE, f"the response body is {int(length)} bytes, over this policy's {_size(limits.max_response_bytes)} cap")
+            verdict.cap = Refusal(Reason.RESPONSE_TOO_LARGE, f"the response body is {int(length)} bytes, over this policy's {size_text(limits.max_response_bytes)} cap")
             answer_now(flow, verdict.cap)
             return
         if response.stream is False or response.stream is None:
@@ -205,7 +207,7 @@ class Caps:
                 verdict.bytes_from_server += allowed
             if allowed < n:
                 loop.call_soon(self.cut_tunnel, client, verdict, Refusal(
-                    Reason.TUNNEL_TOO_LARGE, f"the tunnel carried more than this policy's {_size(cap)} cap in one direction"))
+                    Reason.TUNNEL_TOO_LARGE, f"the tunnel carried more than this policy's {size_text(cap)} cap in one direction"))
             return allowed
 
         connections.meter_server(client, server, meter)
@@ -254,7 +256,7 @@ class _BodyCounter:
         self.tripped = True
         reason = Reason.REQUEST_TOO_LARGE if self.request else Reason.RESPONSE_TOO_LARGE
         what = "request" if self.request else "response"
-        refusal = Refusal(reason, f"the {what} body passed this policy's {_size(self.cap)} cap")
+        refusal = Refusal(reason, f"the {what} body passed this policy's {size_text(self.cap)} cap")
         # Sockets are closed from outside mitmproxy's event processing.
         asyncio.get_running_loop().call_soon(self.caps.cut, self.flow, refusal)
         head = chunk[: len(chunk) - (self.seen - self.cap)]

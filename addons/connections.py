@@ -71,6 +71,19 @@ def close_client(client: connection.Client) -> bool:
     return True
 
 
+def abort_server(client: connection.Client, server: connection.Server) -> None:
+    """Drop a server socket at once, discarding anything buffered for it, so
+    not one byte reaches that peer (used when the peer is not the pinned one)."""
+    handler = _handler(client.id)
+    io = handler.transports.get(server) if handler is not None else None
+    if io is not None and io.writer is not None:
+        transport = getattr(io.writer, "transport", None)
+        if transport is not None:
+            transport.abort()
+        else:
+            io.writer.close()
+
+
 def cancel_connect(client: connection.Client, server: connection.Server) -> bool:
     """Abort a server connection still being dialled (its task is cancelled,
     so mitmproxy reports the connect as failed)."""

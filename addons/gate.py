@@ -12,20 +12,38 @@
   Nothing is ever dialled by name, so mitmproxy and the OS never resolve.
 - Tunnels are carried as raw TCP flows (validated, pinned, byte-counted, never
   decrypted) unless the policy's `intercept` names their host; then
-  mitmproxy terminates TLS and every request inside is gated too, with the
-  tunnel's host as the only host it may name (else `host_mismatch`).
+  mitmproxy terminates TLS and every request inside is an HTTP request
+  checked against the live policy, with the tunnel's host as the only host it
+  may name in Host, `:authority`, SNI or the request target (else
+  `host_mismatch`). Bytes inside an intercepted tunnel that are not HTTP are
+  never passed raw.
+- The front door speaks plain HTTP/1 (and SOCKS5 on its own port): a client
+  that talks TLS (and so HTTP/2) to the proxy itself is refused
+  (`client_protocol_refused`), so one client connection never multiplexes
+  streams onto one shared upstream object and TLS to the proxy never implies
+  interception.
+- The dial itself is checked (addons/mitm_patches.py wraps mitmproxy's
+  connect): only an IP address this gate approved for the client connection
+  may be dialled, never a name; after the connect, the peer must be that
+  address (else `pin_mismatch`, closed before a byte passes).
+- A reload re-decides every open tunnel against the new policy and closes
+  those it refuses (`tunnel_revoked`).
 """
 
 from __future__ import annotations
 
+import ipaddress
+
 from mitmproxy import connection, http
+from mitmproxy.net import tls as mitm_tls
 from mitmproxy.net.http import url as mitm_url
-from mitmproxy.proxy import layer, layers, mode_specs
+from mitmproxy.proxy import commands, events, layer, layers, mode_specs
 from mitmproxy.proxy.layers import modes
+from mitmproxy.proxy.layers.http import HTTPMode
 from mitmproxy.proxy.server_hooks import ServerConnectionHookData
 
-from addons import connections
-from addons.audit import AuditLog
+from addons import connections, dial_guard
+from addons.audit import AuditLog, peer
 from addons.failsafe import fail_closed
 from addons.caps import Caps
 from addons.identity import PROXY_AUTHORIZATION, ClientIdentifier
@@ -33,9 +51,9 @@ from addons.policy_source import LivePolicy, PolicySource
 from addons.refusals import refusal_response
 from addons.resolver import decide
 from addons.verdict import META, Verdict, verdict_of
-from policy.decide import Decision, Destination, check_address
+from policy.decide import Decision, Destination, check_address, check_answers, check_request
 from policy.hosts import HostError, NameHost, parse_host
-from policy.model import Rules
+from policy.model import Policy, Rules
 from policy.reasons import Reason, Refusal
 
 # SOCKS5 reply: version 5, REP 2 "connection not allowed by ruleset", IPv4 0.0.0.0:0.
@@ -61,6 +79,10 @@ class EgressGate:
         self._tunnels: dict[str, Verdict] = {}
         self._client_tunnels: dict[str, list[str]] = {}
 
+    def load(self, loader) -> None:
+        dial_guard.install(self.dial_allowed)
+        self.source.on_reload(self.revoke_refused_tunnels)
+
     def live(self) -> LivePolicy:
         live = self.source.current
         assert live is not None, "the policy is loaded before the proxy starts"
@@ -74,6 +96,8 @@ class EgressGate:
             return
         tunnel = self._tunnels.get(flow.server_conn.id)
         if tunnel is not None:
+            # Proxy credentials are for the proxy, in every mode: never forwarded.
+            flow.request.headers.pop(PROXY_AUTHORIZATION, None)
             await self._gate_inside_tunnel(flow, tunnel)
         else:
             await self._gate_http(flow)
@@ -117,29 +141,38 @@ class EgressGate:
         self.caps.watch_client(flow.client_conn, client.rules)
         # Pin: mitmproxy dials (and keys connection reuse on) request.host.
         request.data.host = decision.address
-        self._approved.setdefault(flow.client_conn.id, {})[(decision.address, request.port)] = client.rules
+        self._approve(flow.client_conn, decision.address, request.port, client.rules)
         if connect:
             if intercept and isinstance(decision.host, NameHost):
                 flow.server_conn.sni = decision.host.name  # verify upstream against the name
             self._remember_tunnel(flow.client_conn, flow.server_conn, verdict)
 
     async def _gate_inside_tunnel(self, flow: http.HTTPFlow, tunnel: Verdict) -> None:
-        """A request inside an intercepted tunnel: it may only talk to the
-        tunnel's host (no domain fronting), and is checked like any request."""
+        """A request inside an intercepted tunnel: it may only name the
+        tunnel's host (no domain fronting), and is checked like any request,
+        with the live policy's rules for the tunnel's client profile."""
         request = flow.request
-        rules = tunnel.rules
-        refusal = _fronting(tunnel, request.host_header, flow.client_conn.sni)
-        if refusal is not None or rules is None:
-            decision = Decision(False, None, refusal or Refusal(Reason.CLIENT_UNKNOWN, "unknown client"), port=tunnel.port)
+        tunnel.requests += 1
+        live = self.live()
+        rules = _live_rules(live.policy, tunnel.profile)
+        refusal = _fronting(tunnel, request.host_header, flow.client_conn.sni, request.authority)
+        if refusal is None and rules is None:
+            refusal = Refusal(Reason.CLIENT_UNKNOWN, f"the tunnel's client profile {tunnel.profile!r} is no longer in the policy")
+        if refusal is not None:
+            decision = Decision(False, None, refusal, port=tunnel.port)
         else:
             dest = Destination(tunnel.host, tunnel.port, request.scheme, request.method)
-            decision = await decide(rules, dest, self.live().resolver)
+            decision = await decide(rules, dest, live.resolver)
         flow.metadata[META] = Verdict(tunnel.host, tunnel.port, decision, tunnel.profile, rules)
         if not decision.allowed:
             flow.response = refusal_response(decision.refusal)
             return
         # Stay on the tunnel's pinned address (it was validated at CONNECT).
         request.data.host = tunnel.decision.address
+        if request.authority and not (request.is_http2 or request.is_http3):
+            # Absolute-form naming the tunnel's own host: send origin-form, so
+            # the origin can only ever see the tunnel's host.
+            request.authority = ""
 
     # ---- the last gate: every dial ---------------------------------------
 
@@ -149,7 +182,11 @@ class EgressGate:
         if server.address is None or server.error:
             return
         host, port = server.address
-        approved_rules = self._approved.get(data.client.id, {}).get((host, port))
+        if server.transport_protocol != "tcp":
+            self._refuse_dial(data, host, port, Decision(False, None, Refusal(
+                Reason.CLIENT_PROTOCOL_REFUSED, f"Sluice carries TCP only, not {server.transport_protocol}"), port=port), None)
+            return
+        approved_rules = self._approved_rules(data.client, host, port)
         if approved_rules is not None:
             # Decided with the host rules at request level; re-check the address.
             refusal = check_address(approved_rules, host, port)
@@ -171,7 +208,7 @@ class EgressGate:
         intercept = _intercepts(client.rules, host)
         verdict = Verdict(host, port, decision, client.profile, client.rules, intercept=intercept)
         self._remember_tunnel(data.client, server, verdict)
-        self._approved.setdefault(data.client.id, {})[(decision.address, port)] = client.rules
+        self._approve(data.client, decision.address, port, client.rules)
         server.address = (decision.address, port)  # pin
         if intercept and isinstance(decision.host, NameHost):
             server.sni = decision.host.name
@@ -188,26 +225,41 @@ class EgressGate:
             connections.write_to_client(data.client, SOCKS5_NOT_ALLOWED)
             connections.shut_client_writer(data.client)
 
+    def _approve(self, client: connection.Client, address: str, port: int, rules: Rules) -> None:
+        """Record an address the gate validated and pinned for this client
+        connection: the only kind of address its dials may reach."""
+        self._approved.setdefault(client.id, {})[(_canonical_ip(address) or address, port)] = rules
+
+    def _approved_rules(self, client: connection.Client, host: str, port: int) -> Rules | None:
+        ip = _canonical_ip(host)
+        return self._approved.get(client.id, {}).get((ip, port)) if ip is not None else None
+
     def _remember_tunnel(self, client: connection.Client, server: connection.Server, verdict: Verdict) -> None:
+        verdict.client = client
         self._tunnels[server.id] = verdict
         self._client_tunnels.setdefault(client.id, []).append(server.id)
-        if not verdict.intercept:
-            self.caps.watch_tunnel(client, verdict)
+        self.caps.watch_tunnel(client, verdict)
 
     def client_disconnected(self, client: connection.Client) -> None:
         self._approved.pop(client.id, None)
         for server_id in self._client_tunnels.pop(client.id, ()):
             tunnel = self._tunnels.pop(server_id, None)
-            if tunnel is not None and not tunnel.intercept:
-                self.audit.tunnel_line(tunnel, client)  # if its TCP flow did not already
+            if tunnel is not None:
+                # The tunnel's own decision line (an intercepted one's requests
+                # have theirs too); tunnel_line writes it once.
+                self.audit.tunnel_line(tunnel, client)
 
     # ---- what runs inside a tunnel ---------------------------------------
 
     def next_layer(self, nextlayer: layer.NextLayer) -> None:
-        """Carry tunnel contents (after CONNECT, SOCKS5, transparent) as raw TCP,
-        unless the tunnel's host is intercepted."""
+        """What runs on a client connection and inside each tunnel:
+        - the front door (nothing below but the HTTP proxy mode) is plain
+          HTTP/1; TLS to the proxy itself is refused;
+        - a tunnel the policy does not intercept is raw TCP, never decrypted;
+        - an intercepted tunnel is TLS (mitmproxy's choice) and then HTTP,
+          never raw, whatever its first bytes look like."""
         context = nextlayer.context
-        if context.client.transport_protocol != "tcp" or isinstance(nextlayer.layer, layers.TCPLayer):
+        if context.client.transport_protocol != "tcp":
             return
         # An addon that decided before us (mitmproxy's own NextLayer) has
         # already pushed its layers onto the stack; look at the stack below them.
@@ -217,12 +269,30 @@ class EgressGate:
         if not below:
             return
         if len(below) == 1 and isinstance(below[0], (modes.HttpProxy, modes.HttpUpstreamProxy, modes.ReverseProxy)):
-            return  # the proxy's own HTTP front door
-        if any(isinstance(l, (layers.ServerTLSLayer, layers.ClientTLSLayer)) for l in below):
-            return  # already inside an intercepted TLS session
+            first = nextlayer.data_client()
+            if first[:1] == b"\x16" or mitm_tls.starts_like_tls_record(first):
+                del stack[cut:]
+                nextlayer.layer = _RefuseClient(context)
+                self.audit.write(
+                    event="connection", client=peer(context.client), decision="refuse",
+                    reason=Reason.CLIENT_PROTOCOL_REFUSED.value,
+                    detail="the client spoke TLS to the proxy itself; Sluice's proxy port is plain HTTP "
+                           "(set HTTP_PROXY/HTTPS_PROXY to http://host:port; HTTPS still goes through CONNECT)",
+                )
+            return  # the proxy's own HTTP front door: plain HTTP/1
         tunnel = self._tunnels.get(context.server.id)
         if tunnel is not None and tunnel.intercept:
-            return  # mitmproxy's own choice: TLS interception, then HTTP
+            chosen = nextlayer.layer
+            if chosen is None or isinstance(chosen, (layers.ServerTLSLayer, layers.ClientTLSLayer, layers.HttpLayer)):
+                return  # TLS interception, then HTTP (or undecided yet)
+            # mitmproxy would carry these bytes raw (rawtcp, tcp_hosts, a DNS
+            # port, ...): inside an intercepted tunnel only HTTP may pass, so
+            # the HTTP parser judges them and refuses what is not HTTP.
+            del stack[cut:]
+            nextlayer.layer = layers.HttpLayer(context, HTTPMode.transparent)
+            return
+        if isinstance(nextlayer.layer, layers.TCPLayer) and nextlayer.layer.flow is None:
+            return  # already our raw, unhooked tunnel
         del stack[cut:]
         # ignore=True: no TCP flow and no per-chunk hooks (mitmproxy's tunnel
         # speed); Caps meters the bytes at the server socket instead.
@@ -230,9 +300,52 @@ class EgressGate:
 
     @fail_closed()
     def server_connected(self, data: ServerConnectionHookData) -> None:
+        # The second line behind the dial check: the socket's peer must be an
+        # address this gate approved for this client connection.
+        peer_ip = _canonical_ip(data.server.peername[0]) if data.server.peername else None
+        port = data.server.peername[1] if data.server.peername else None
+        if peer_ip is None or self._approved_rules(data.client, peer_ip, port) is None:
+            self._pin_mismatch(data.client, data.server, f"the upstream connection's peer {data.server.peername} was never approved for this client connection")
+            return
         tunnel = self._tunnels.get(data.server.id)
-        if tunnel is not None and not tunnel.intercept:
+        if tunnel is not None:
             self.caps.meter_tunnel(data.client, data.server, tunnel)
+
+    def dial_allowed(self, client: connection.Client, host: str, port: int) -> bool:
+        """Checked by addons/mitm_patches.py right before mitmproxy's TCP
+        connect (after it waited for a connection slot): only an IP address
+        approved for this client connection, never a name."""
+        if _canonical_ip(host) is not None and self._approved_rules(client, host, port) is not None:
+            return True
+        self.audit.write(
+            event="connect", client=peer(client), host=str(host), port=port, decision="refuse",
+            reason=Reason.PIN_MISMATCH.value,
+            detail=f"a dial to {_short(str(host))}:{port} was not approved for this client connection; refused before connecting",
+        )
+        return False
+
+    def _pin_mismatch(self, client: connection.Client, server: connection.Server, detail: str) -> None:
+        server.error = f"{Reason.PIN_MISMATCH.value}: {detail}"
+        connections.abort_server(client, server)
+        connections.close_client(client)
+        host, port = server.address if server.address else ("?", 0)
+        self.audit.write(event="connect", client=peer(client), host=str(host), port=port, decision="refuse",
+                         reason=Reason.PIN_MISMATCH.value, detail=detail)
+
+    # ---- reloads reach open tunnels ------------------------------------
+
+    def revoke_refused_tunnels(self, live: LivePolicy) -> None:
+        """After a reload: re-decide every open tunnel (its identity and pinned
+        addresses kept, the rules new) and close those the policy now refuses."""
+        for client_id, server_ids in list(self._client_tunnels.items()):
+            for server_id in server_ids:
+                tunnel = self._tunnels.get(server_id)
+                if tunnel is None or tunnel.logged or tunnel.cap is not None or tunnel.client is None:
+                    continue
+                refusal = _still_allowed(live.policy, tunnel)
+                if refusal is not None:
+                    self.caps.cut_tunnel(tunnel.client, tunnel, Refusal(
+                        Reason.TUNNEL_REVOKED, f"the reloaded policy refuses this tunnel ({refusal.reason.value}: {refusal.detail})"))
 
 
 def _intercepts(rules: Rules, host_text: str) -> bool:
@@ -251,18 +364,36 @@ def _same_host(a: str, b: str) -> bool:
         return False
 
 
-def _fronting(tunnel: Verdict, host_header: str | None, sni: str | None) -> Refusal | None:
-    """Domain fronting inside an intercepted tunnel: a Host header or SNI that
-    names another host than the CONNECT target."""
+def _fronting(tunnel: Verdict, host_header: str | None, sni: str | None, authority: str = "") -> Refusal | None:
+    """Domain fronting inside an intercepted tunnel: an SNI, a Host header,
+    or a request target authority (absolute-form, or HTTP/2 `:authority`)
+    that names another host than the CONNECT target."""
     if sni and not _same_host(sni, tunnel.host):
-        return Refusal(Reason.HOST_MISMATCH, f"the TLS server name {sni!r} is not the tunnel's host {tunnel.host}")
-    if host_header:
+        return Refusal(Reason.HOST_MISMATCH, f"the TLS server name {_short(sni)!r} is not the tunnel's host {tunnel.host}")
+    for what, value in (("Host header", host_header), ("request target", authority)):
+        if not value:
+            continue
         try:
-            named, _ = mitm_url.parse_authority(host_header, check=True)
+            named, _ = mitm_url.parse_authority(value, check=True)
         except ValueError:
-            named = host_header
+            named = value
         if not _same_host(named, tunnel.host):
-            return Refusal(Reason.HOST_MISMATCH, f"the Host header {host_header!r} is not the tunnel's host {tunnel.host}")
+            return Refusal(Reason.HOST_MISMATCH, f"the {what} {_short(value)!r} is not the tunnel's host {tunnel.host}")
+    return None
+
+
+def _short(text: str, limit: int = 80) -> str:
+    return text if len(text) <= limit else text[:limit] + "…"
+
+
+def _live_rules(policy: Policy, profile: str | None) -> Rules | None:
+    """The current rules for a client profile named when its tunnel opened
+    (None if the profile is gone): identity is kept, rules are live."""
+    if profile is None:
+        return None if policy.require_client else policy.rules
+    for candidate in policy.clients:
+        if candidate.name == profile:
+            return candidate.rules
     return None
 
 
@@ -275,3 +406,37 @@ def _strip_headers(request: http.Request, extra: frozenset[str]) -> None:
         request.headers.pop(name, None)
     for name in extra:
         request.headers.pop(name, None)
+
+
+def _canonical_ip(text: str) -> str | None:
+    """An IP literal in the form the gate pins (None for a name)."""
+    try:
+        ip = ipaddress.ip_address(text.split("%", 1)[0])
+    except ValueError:
+        return None
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        return str(ip.ipv4_mapped)
+    return str(ip)
+
+
+def _still_allowed(policy: Policy, tunnel: Verdict) -> Refusal | None:
+    """Would the policy now allow this open tunnel? Pure: the addresses are
+    the ones it was validated and pinned with, no new lookup."""
+    rules = _live_rules(policy, tunnel.profile)
+    if rules is None:
+        return Refusal(Reason.CLIENT_UNKNOWN, f"the client profile {tunnel.profile!r} is no longer in the policy")
+    decision = check_request(rules, Destination(tunnel.host, tunnel.port))
+    if decision.needs_dns:
+        decision = check_answers(rules, decision, tunnel.decision.addresses or (tunnel.decision.address,))
+    if decision.allowed:
+        return None
+    return decision.refusal
+
+
+class _RefuseClient(layer.Layer):
+    """Closes the client connection at once: the front door refused what the
+    client speaks (there is no HTTP to answer in)."""
+
+    def _handle_event(self, event: events.Event) -> layer.CommandGenerator[None]:
+        if isinstance(event, events.Start):
+            yield commands.CloseConnection(self.context.client)

@@ -20,8 +20,31 @@ UNSAFE_MODES = {
 }
 
 
+# mitmproxy defaults Sluice changes at start-up, and why; changing them back
+# while running is refused.
+SAFE_DEFAULTS = {
+    # mitmproxy's WebSocket layer buffers each whole message before any hook
+    # could count it; Sluice carries an accepted WebSocket as a capped,
+    # metered TCP pipe instead (addons/upgrades.py).
+    "websocket": False,
+}
+
+
 class Guardrails:
+    def __init__(self) -> None:
+        self._running = False
+
+    def running(self) -> None:
+        changes = {k: v for k, v in SAFE_DEFAULTS.items() if getattr(ctx.options, k) != v}
+        if changes:
+            ctx.options.update(**changes)
+        self._running = True
+
     def configure(self, updated) -> None:
+        if self._running:
+            for name, safe in SAFE_DEFAULTS.items():
+                if name in updated and getattr(ctx.options, name) != safe:
+                    raise exceptions.OptionsError(f"Sluice keeps {name}={safe}: {name} would carry bytes its caps cannot count.")
         for name, (bad, why) in UNSAFE.items():
             if name in updated and name in ctx.options and getattr(ctx.options, name) == bad:
                 raise exceptions.OptionsError(f"Sluice refuses {name}={bad}: it {why}.")

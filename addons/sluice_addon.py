@@ -11,13 +11,14 @@ from addons.gate import EgressGate
 from addons.guardrails import Guardrails
 from addons.policy_source import PolicySource
 from addons.redirects import RedirectGuard
+from addons.upgrades import UpgradeGuard
 
 
 def make_addons() -> list:
     audit = AuditLog()
     source = PolicySource(audit)
     caps = Caps(source, audit)
-    return [Guardrails(), source, EgressGate(source, audit, caps), RedirectGuard(source), caps, audit]
+    return [Guardrails(), source, EgressGate(source, audit, caps), RedirectGuard(source), UpgradeGuard(caps), caps, audit]
 
 
 addons = make_addons()

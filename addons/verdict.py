@@ -30,6 +30,8 @@ class Verdict:
     response_started: bool = False  # headers went to the client
     wire_status: int | None = None  # a status mitmproxy itself sent instead of ours
     logged: bool = False
+    requests: int = 0  # requests seen inside an intercepted tunnel
+    client: object = None  # a tunnel's client connection, for cutting it on reload
 
     @property
     def limits(self) -> Limits:

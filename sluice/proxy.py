@@ -22,6 +22,7 @@ from sluice.workers import REUSE_PORT_ENV, enable_reuse_port
 # is the record).
 SLUICE_DEFAULTS = {
     "termlog_verbosity": "warn",
+    "websocket": False,  # see addons/guardrails.py SAFE_DEFAULTS
 }
 
 

@@ -1,0 +1,101 @@
+"""Protocol upgrades: WebSocket only, and then carried as a capped tunnel.
+
+mitmproxy turns a `101 Switching Protocols` into a WebSocket layer or a raw
+TCP layer straight from its HTTP stream, never through `next_layer`, so the
+tunnel caps and meters attached there never see it. Here:
+
+- a request asking to upgrade to anything but `websocket` is refused
+  (`upgrade_refused`), and so is any 101 that is not a WebSocket answer to a
+  WebSocket request (an origin may not switch protocols unasked);
+- an accepted WebSocket is carried as a TCP flow (Sluice runs mitmproxy with
+  `websocket=false`: its WebSocket layer buffers whole messages before any
+  hook could count them). Every chunk is counted against
+  `tunnel_max_bytes`, the pipe gets `tunnel_max_seconds`, chunks are never
+  kept, and the pipe gets its own audit line with its bytes.
+"""
+
+from __future__ import annotations
+
+from mitmproxy import http, tcp
+
+from addons.caps import Caps, size_text
+from addons.failsafe import fail_closed
+from addons.refusals import refusal_response
+from addons.verdict import META, Verdict, verdict_of
+from policy.reasons import Reason, Refusal
+
+
+def _tokens(value: str) -> set[str]:
+    return {t.strip().lower() for t in value.split(",") if t.strip()}
+
+
+class UpgradeGuard:
+    def __init__(self, caps: Caps) -> None:
+        self.caps = caps
+        # server connection id -> (client id, the accepted upgrade's request
+        # verdict), until its TCP pipe starts.
+        self._accepted: dict[str, tuple[str, Verdict]] = {}
+
+    @fail_closed()
+    def requestheaders(self, flow: http.HTTPFlow) -> None:
+        verdict = verdict_of(flow)
+        if verdict is None or not verdict.decision.allowed or flow.response is not None:
+            return
+        asked = _tokens(flow.request.headers.get("upgrade", ""))
+        if asked and asked != {"websocket"}:
+            verdict.cap = Refusal(Reason.UPGRADE_REFUSED, f"the request asks to upgrade to {', '.join(sorted(asked))[:80]}; only WebSocket upgrades may pass")
+            flow.response = refusal_response(verdict.cap)
+
+    @fail_closed(response_phase=True)
+    def responseheaders(self, flow: http.HTTPFlow) -> None:
+        verdict = verdict_of(flow)
+        if verdict is None or flow.response.status_code != 101 or verdict.cap is not None:
+            return
+        websocket = (
+            _tokens(flow.request.headers.get("upgrade", "")) == {"websocket"}
+            and _tokens(flow.response.headers.get("upgrade", "")) == {"websocket"}
+        )
+        if not websocket or not verdict.decision.allowed:
+            # Answer the client and close both sides before a byte of the
+            # other protocol crosses.
+            self.caps.cut(flow, Refusal(Reason.UPGRADE_REFUSED, "the origin switched protocols to something other than a requested WebSocket"))
+            return
+        self._accepted[flow.server_conn.id] = (flow.client_conn.id, verdict)
+
+    def tcp_start(self, flow: tcp.TCPFlow) -> None:
+        accepted = self._accepted.pop(flow.server_conn.id, None)
+        if accepted is None:
+            return
+        upgraded = accepted[1]
+        pipe = Verdict(upgraded.host, upgraded.port, upgraded.decision, upgraded.profile, upgraded.rules)
+        pipe.client = flow.client_conn
+        flow.metadata[META] = pipe
+        self.caps.watch_tunnel(flow.client_conn, pipe)
+
+    def tcp_message(self, flow: tcp.TCPFlow) -> None:
+        pipe = verdict_of(flow)
+        message = flow.messages[-1]
+        # Never keep what passed: memory stays flat however long the pipe runs.
+        flow.messages.clear()
+        if pipe is None:
+            message.content = b""  # a pipe the gate never approved carries nothing
+            return
+        if pipe.cap is not None:
+            message.content = b""
+            return
+        n = len(message.content)
+        before = pipe.bytes_from_client if message.from_client else pipe.bytes_from_server
+        cap = pipe.limits.tunnel_max_bytes
+        allowed = n if cap is None else max(0, min(n, cap - before))
+        if message.from_client:
+            pipe.bytes_from_client += allowed
+        else:
+            pipe.bytes_from_server += allowed
+        if allowed < n:
+            message.content = message.content[:allowed]
+            self.caps.cut_tunnel(flow.client_conn, pipe, Refusal(
+                Reason.TUNNEL_TOO_LARGE, f"the upgraded connection carried more than this policy's {size_text(cap)} cap in one direction"))
+
+    def client_disconnected(self, client) -> None:
+        for server_id in [k for k, (client_id, _) in self._accepted.items() if client_id == client.id]:
+            self._accepted.pop(server_id, None)
