@@ -13,6 +13,7 @@ DEFAULT_PORTS: frozenset[int] = frozenset({80, 443})
 STANDARD_METHODS: frozenset[str] = frozenset(
     {"GET", "HEAD", "POST", "PUT", "DELETE", "CONNECT", "OPTIONS", "TRACE", "PATCH"}
 )
+KIB = 1024
 MIB = 1024 * 1024
 
 
@@ -35,6 +36,11 @@ class Limits:
     max_request_bytes: int = 1 * MIB
     tunnel_max_bytes: int | None = None  # per direction; None = unlimited
     tunnel_max_seconds: float | None = None
+    # The request head (request line and header fields). Global only: they
+    # apply before the client is identified, so the top level sets them.
+    max_header_bytes: int = 64 * KIB
+    max_header_count: int = 100
+    header_timeout: float = 10.0
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,0 +1,236 @@
+"""Every change Sluice makes to mitmproxy's own code, in one place.
+
+Sluice pins mitmproxy exactly (pyproject.toml: mitmproxy==12.3.1). Where
+mitmproxy offers no hook for something Sluice must enforce, a small patch
+here wraps (never copies) the mitmproxy function. Rules for this module:
+
+- one small function `_patch_<name>()` per patch, listed in PATCHES with the
+  mitmproxy functions it wraps or relies on;
+- `install()` applies every patch, once (it is idempotent; `sluice proxy` and
+  addons/sluice_addon.py both call it);
+- tests/unit/test_mitm_patches.py records a hash of the source of every
+  function in PATCHES for MITMPROXY_VERSION and fails loudly, naming what to
+  re-check, when an upgrade changes one of them.
+
+Patches:
+
+- `http1_head_caps` wraps `Http1Server.read_headers`. mitmproxy buffers an
+  incomplete HTTP/1 request head without bound and without a time limit
+  (its own "FIXME: protect against header size DoS"), and no addon hook runs
+  before a head is complete. The wrapper answers 431 and closes when the
+  buffered head passes `limits.max_header_bytes` with no blank line in
+  sight, or a complete head has more than `limits.max_header_count` fields
+  (the head is then never handed on: no flow, no hook, no upstream); and it
+  arms the `limits.header_timeout` deadline when a head is still incomplete
+  after a read.
+- `http1_head_deadline` adds `Http1Server._handle_event` around the inherited
+  `Http1Connection._handle_event`: it takes the deadline's wakeup (the
+  inherited states would raise on it) and answers 408 and closes if that
+  head is still incomplete. At most one wakeup is pending per connection.
+- `http1_pipeline_cap` wraps `Http1Server.wait` (inherited from
+  `Http1Connection`). While a response is pending, mitmproxy buffers
+  whatever the client sends next, without bound; past
+  `limits.max_header_bytes` the connection is closed (no answer can be sent
+  in the middle of another response).
+
+These limits are global (the policy's top level): the client's identity is
+in the very head being read. The head patches act only once a guard is set
+(`set_head_guard`, by addons/head_limits.py); until then mitmproxy behaves as
+shipped. They run wherever mitmproxy reads an HTTP/1 request head: the front
+door and inside intercepted tunnels (the answers go through mitmproxy's layer
+stack, so they are encrypted there).
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from typing import Protocol
+
+from h11._receivebuffer import ReceiveBuffer
+from mitmproxy import connection
+from mitmproxy.proxy import commands, events
+from mitmproxy.proxy.layers.http._base import ReceiveHttp
+from mitmproxy.proxy.layers.http._events import ErrorCode, RequestHeaders, RequestProtocolError
+from mitmproxy.proxy.layers.http._http1 import Http1Connection, Http1Server
+
+from policy.model import Limits
+
+MITMPROXY_VERSION = "12.3.1"
+
+# What the head caps found; the guard turns it into a refusal.
+HEAD_TOO_LARGE = "size"
+TOO_MANY_FIELDS = "count"
+HEAD_TIMEOUT = "timeout"
+PIPELINED_TOO_MUCH = "pipelined"
+
+
+class HeadGuard(Protocol):
+    def head_limits(self) -> Limits | None:
+        """The limits to apply now (None: none)."""
+
+    def refuse_head(self, client: connection.Client, problem: str, limits: Limits) -> bytes:
+        """Record the refusal; return the raw HTTP/1 response to send (b"": none)."""
+
+
+_head_guard: HeadGuard | None = None
+_clock = time.monotonic  # tests may replace it
+_BLANK_LINE = re.compile(b"\n\r?\n")  # how h11's ReceiveBuffer finds a head's end
+
+
+def set_head_guard(guard: HeadGuard | None) -> None:
+    global _head_guard
+    _head_guard = guard
+
+
+def head_guard() -> HeadGuard | None:
+    return _head_guard
+
+
+class HeadDeadline(commands.RequestWakeup):
+    """The header_timeout wakeup a Http1Server asks for (told apart from others)."""
+
+
+def _set(owner: type, name: str, wrapper, original) -> None:
+    """Install `wrapper` as owner.name, unless a Sluice patch is already there."""
+    if getattr(owner.__dict__.get(name), "__sluice_patch__", False):
+        return
+    wrapper.__wrapped__ = original  # inspect.unwrap finds mitmproxy's function
+    wrapper.__sluice_patch__ = True
+    setattr(owner, name, wrapper)
+
+
+# ---- http1_head_caps, http1_head_deadline, http1_pipeline_cap ---------------
+
+
+def _head_ends_within(buf: ReceiveBuffer, limit: int) -> bool:
+    """Whether the buffered head ends (blank line) within its first `limit` bytes.
+    Called only when the buffer is over `limit`, and the buffer never grows
+    past limit plus one read while a head is read, so the copy is bounded."""
+    data = bytes(buf)
+    start = len(data) - len(data.lstrip(b"\r\n"))  # leading empty lines are skipped one per read
+    return _BLANK_LINE.search(data, start, limit) is not None
+
+
+def _refuse_head(self: Http1Server, guard: HeadGuard, problem: str, limits: Limits):
+    self.state = self.done
+    self.buf = ReceiveBuffer()
+    self._sluice_head_deadline = None
+    raw = guard.refuse_head(self.conn, problem, limits)
+    if raw:
+        yield commands.SendData(self.conn, raw)
+    yield commands.CloseConnection(self.conn)
+
+
+def _arm_deadline(self: Http1Server, timeout: float):
+    """After a read: a head still incomplete gets a deadline, counted from
+    the read that started it; a completed head drops it."""
+    if self.state != self.read_headers or not self.buf:
+        self._sluice_head_deadline = None
+        return
+    if getattr(self, "_sluice_head_deadline", None) is None:
+        self._sluice_head_deadline = _clock() + timeout
+        if not getattr(self, "_sluice_wakeup_pending", False):
+            self._sluice_wakeup_pending = True
+            yield HeadDeadline(timeout)
+
+
+def _patch_http1_head_caps() -> None:
+    original = Http1Server.read_headers
+
+    def read_headers(self, event):
+        guard = _head_guard
+        limits = guard.head_limits() if guard is not None else None
+        if limits is None or not isinstance(event, events.DataReceived):
+            return (yield from original(self, event))
+        if len(self.buf) > limits.max_header_bytes and not _head_ends_within(self.buf, limits.max_header_bytes):
+            return (yield from _refuse_head(self, guard, HEAD_TOO_LARGE, limits))
+        parsing = original(self, event)
+        for command in parsing:  # Http1Server yields no blocking commands: nothing is sent back
+            if (isinstance(command, ReceiveHttp) and isinstance(command.event, RequestHeaders)
+                    and len(command.event.request.headers.fields) > limits.max_header_count):
+                parsing.close()
+                return (yield from _refuse_head(self, guard, TOO_MANY_FIELDS, limits))
+            yield command
+        yield from _arm_deadline(self, limits.header_timeout)
+
+    _set(Http1Server, "read_headers", read_headers, original)
+
+
+def _patch_http1_head_deadline() -> None:
+    original = Http1Connection._handle_event
+
+    def _handle_event(self, event):
+        if not (isinstance(event, events.Wakeup) and isinstance(event.command, HeadDeadline)):
+            return (yield from original(self, event))
+        self._sluice_wakeup_pending = False
+        deadline = getattr(self, "_sluice_head_deadline", None)
+        guard = _head_guard
+        limits = guard.head_limits() if guard is not None else None
+        if deadline is None or limits is None or self.state != self.read_headers:
+            return  # that head completed (or the connection moved on)
+        remaining = deadline - _clock()
+        if remaining > 0.001:  # a later head: its deadline is still ahead
+            self._sluice_wakeup_pending = True
+            yield HeadDeadline(remaining)
+            return
+        yield from _refuse_head(self, guard, HEAD_TIMEOUT, limits)
+
+    _set(Http1Server, "_handle_event", _handle_event, original)
+
+
+def _patch_http1_pipeline_cap() -> None:
+    original = Http1Connection.wait
+
+    def wait(self, event):
+        guard = _head_guard
+        limits = guard.head_limits() if guard is not None else None
+        if limits is None or not isinstance(event, events.DataReceived) or len(self.buf) <= limits.max_header_bytes:
+            return (yield from original(self, event))
+        stream_id = self.stream_id
+        yield from _refuse_head(self, guard, PIPELINED_TOO_MUCH, limits)
+        yield ReceiveHttp(RequestProtocolError(
+            stream_id, f"the client sent more than {limits.max_header_bytes} bytes ahead while a response was pending",
+            code=ErrorCode.CLIENT_DISCONNECTED,
+        ))
+
+    _set(Http1Server, "wait", wait, original)
+
+
+# name -> (the patch, the mitmproxy functions whose source it depends on)
+PATCHES = {
+    "http1_head_caps": (_patch_http1_head_caps, (
+        "mitmproxy.proxy.layers.http._http1:Http1Server.read_headers",
+        "mitmproxy.proxy.layers.http._http1:Http1Connection.start",
+        "mitmproxy.proxy.layers.http._http1:Http1Connection.mark_done",
+        "mitmproxy.proxy.layers.http._http1:Http1Server.mark_done",
+        "h11._receivebuffer:ReceiveBuffer.maybe_extract_lines",
+    )),
+    "http1_head_deadline": (_patch_http1_head_deadline, (
+        "mitmproxy.proxy.layers.http._http1:Http1Connection._handle_event",
+        "mitmproxy.proxy.layers.http:HttpLayer.event_to_child",
+    )),
+    "http1_pipeline_cap": (_patch_http1_pipeline_cap, (
+        "mitmproxy.proxy.layers.http._http1:Http1Connection.wait",
+    )),
+}
+
+# Not patched, but Sluice's behaviour depends on them (who relies, and on what).
+RELIED_ON = {
+    # The gate refuses in `requestheaders` by setting flow.response;
+    # addons/head_limits.py then drops `Expect: 100-continue`, because this
+    # function sends `100 Continue` after that hook when the header is there.
+    "expect_on_refusal": (
+        "mitmproxy.proxy.layers.http:HttpStream.state_wait_for_request_headers",
+    ),
+}
+
+_installed: set[str] = set()
+
+
+def install() -> None:
+    """Apply every patch in PATCHES, each at most once per process."""
+    for name, (patch, _) in PATCHES.items():
+        if name not in _installed:
+            patch()
+            _installed.add(name)

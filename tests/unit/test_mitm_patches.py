@@ -1,0 +1,262 @@
+"""addons/mitm_patches.py: the patched mitmproxy code is the code we read, and
+the patches do what they say, driven through a real Http1Server layer (no
+network: events in, commands out)."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import importlib.metadata
+import inspect
+import time
+
+import pytest
+from mitmproxy import connection, options
+from mitmproxy.proxy import commands, events
+from mitmproxy.proxy.context import Context
+from mitmproxy.proxy.layers.http._base import ReceiveHttp
+from mitmproxy.proxy.layers.http._events import RequestHeaders, RequestProtocolError, ResponseEndOfMessage, ResponseHeaders
+from mitmproxy.proxy.layers.http._http1 import Http1Server
+from mitmproxy import http
+
+from addons import mitm_patches
+from policy.model import Limits
+
+# sha256 (first 16 hex digits) of inspect.getsource() of every mitmproxy
+# function a patch wraps or relies on, as shipped in MITMPROXY_VERSION.
+RECORDED = {
+    "mitmproxy.proxy.layers.http._http1:Http1Server.read_headers": "3fe0945216bcf7bc",
+    "mitmproxy.proxy.layers.http._http1:Http1Connection.start": "888ce41383823cf2",
+    "mitmproxy.proxy.layers.http._http1:Http1Connection.mark_done": "dc5ed395ce4f0763",
+    "mitmproxy.proxy.layers.http._http1:Http1Server.mark_done": "94fd7ea388c88671",
+    "h11._receivebuffer:ReceiveBuffer.maybe_extract_lines": "435e54e6db463e31",
+    "mitmproxy.proxy.layers.http._http1:Http1Connection._handle_event": "2ac8db3e43ae743f",
+    "mitmproxy.proxy.layers.http:HttpLayer.event_to_child": "1095f6e1581d1780",
+    "mitmproxy.proxy.layers.http._http1:Http1Connection.wait": "c99d0494a840a2b6",
+    "mitmproxy.proxy.layers.http:HttpStream.state_wait_for_request_headers": "3706d5d5ce01dcd4",
+}
+
+
+def _resolve(path: str):
+    module, _, qualname = path.partition(":")
+    obj = importlib.import_module(module)
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    return inspect.unwrap(obj)  # the mitmproxy function under any Sluice wrapper
+
+
+def _depended_on() -> dict[str, str]:
+    out = {}
+    for name, (_, paths) in mitm_patches.PATCHES.items():
+        out.update({p: f"patch {name!r}" for p in paths})
+    for name, paths in mitm_patches.RELIED_ON.items():
+        out.update({p: f"{name!r}" for p in paths})
+    return out
+
+
+def test_pinned_mitmproxy_version():
+    installed = importlib.metadata.version("mitmproxy")
+    assert installed == mitm_patches.MITMPROXY_VERSION, (
+        f"mitmproxy {installed} is installed but addons/mitm_patches.py was written against "
+        f"{mitm_patches.MITMPROXY_VERSION}: re-read every function listed in its PATCHES and RELIED_ON "
+        "in the new version, adapt the patches, then update MITMPROXY_VERSION, pyproject's pin and RECORDED here."
+    )
+
+
+@pytest.mark.parametrize("path", sorted(_depended_on()))
+def test_patched_source_unchanged(path):
+    mitm_patches.install()
+    source = inspect.getsource(_resolve(path))
+    digest = hashlib.sha256(source.encode()).hexdigest()[:16]
+    assert path in RECORDED, f"{path} is new in addons/mitm_patches.py: record its hash here ({digest})"
+    assert digest == RECORDED[path], (
+        f"{path} changed (sha256 {digest}, recorded {RECORDED[path]} for mitmproxy "
+        f"{mitm_patches.MITMPROXY_VERSION}); {_depended_on()[path]} in addons/mitm_patches.py depends on it. "
+        "Re-read the new source, check the patch still does what its docstring says, then record the new hash."
+    )
+
+
+def test_every_recorded_function_is_still_depended_on():
+    assert set(RECORDED) == set(_depended_on())
+
+
+def test_install_is_idempotent():
+    mitm_patches.install()
+    first = Http1Server.__dict__["read_headers"], Http1Server.__dict__["_handle_event"], Http1Server.__dict__["wait"]
+    mitm_patches.install()
+    for patch, _ in mitm_patches.PATCHES.values():
+        patch()  # even called directly, a patch never wraps itself twice
+    assert (Http1Server.__dict__["read_headers"], Http1Server.__dict__["_handle_event"], Http1Server.__dict__["wait"]) == first
+    assert inspect.unwrap(Http1Server.read_headers) is not Http1Server.read_headers
+
+
+# ---- the behaviour, through a real Http1Server ---------------------------------
+
+
+class FakeGuard:
+    def __init__(self, limits: Limits) -> None:
+        self.limits = limits
+        self.refused: list[str] = []
+
+    def head_limits(self) -> Limits:
+        return self.limits
+
+    def refuse_head(self, client, problem, limits) -> bytes:
+        self.refused.append(problem)
+        return b"" if problem == mitm_patches.PIPELINED_TOO_MUCH else f"HTTP/1.1 4xx {problem}\r\n\r\n".encode()
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def guard(monkeypatch):
+    mitm_patches.install()
+    g = FakeGuard(Limits(max_header_bytes=1024, max_header_count=10, header_timeout=10.0))
+    monkeypatch.setattr(mitm_patches, "_head_guard", g)
+    clock = Clock()
+    monkeypatch.setattr(mitm_patches, "_clock", clock)
+    g.clock = clock
+    return g
+
+
+def make_server() -> tuple[Http1Server, connection.Client]:
+    client = connection.Client(peername=("192.0.2.1", 40000), sockname=("127.0.0.1", 8080), timestamp_start=time.time())
+    server = Http1Server(Context(client, options.Options()))
+    assert list(server.handle_event(events.Start())) == []
+    return server, client
+
+
+def feed(server, client, data: bytes) -> list[commands.Command]:
+    return list(server.handle_event(events.DataReceived(client, data)))
+
+
+def sent(cmds) -> bytes:
+    return b"".join(c.data for c in cmds if isinstance(c, commands.SendData))
+
+
+def closed(cmds) -> bool:
+    return any(isinstance(c, commands.CloseConnection) for c in cmds)
+
+
+def heads(cmds) -> list:
+    return [c.event for c in cmds if isinstance(c, ReceiveHttp) and isinstance(c.event, RequestHeaders)]
+
+
+def test_endless_head_is_cut_at_the_cap(guard):
+    server, client = make_server()
+    cmds = feed(server, client, b"GET http://example.com/ HTTP/1.1\r\nX: ")
+    for _ in range(100):
+        if closed(cmds):
+            break
+        cmds = feed(server, client, b"a" * 100)
+    assert guard.refused == ["size"]
+    assert sent(cmds).startswith(b"HTTP/1.1 4xx size") and closed(cmds) and not heads(cmds)
+    assert len(server.buf) == 0  # what was buffered is freed
+    # Whatever else arrives is ignored: the connection is done.
+    assert feed(server, client, b"\r\n\r\n") == []
+
+
+def test_head_sent_whole_over_the_cap_is_refused(guard):
+    server, client = make_server()
+    cmds = feed(server, client, b"GET http://example.com/ HTTP/1.1\r\nX: " + b"a" * 2000 + b"\r\n\r\n")
+    assert guard.refused == ["size"] and closed(cmds) and not heads(cmds)
+
+
+def test_endless_empty_lines_are_cut(guard):
+    # mitmproxy skips one leading empty line per read: they must not pile up.
+    server, client = make_server()
+    cmds = feed(server, client, b"\r\n" * 2000)
+    assert guard.refused == ["size"] and closed(cmds)
+
+
+def test_head_under_the_caps_passes_with_its_body(guard):
+    server, client = make_server()
+    body = b"b" * 5000  # over max_header_bytes, but it is the body, not the head
+    cmds = feed(server, client, b"POST http://example.com/ HTTP/1.1\r\nHost: example.com\r\nContent-Length: 5000\r\n\r\n" + body)
+    assert guard.refused == [] and not closed(cmds)
+    assert len(heads(cmds)) == 1
+    assert not any(isinstance(c, mitm_patches.HeadDeadline) for c in cmds)
+
+
+def test_too_many_fields_never_reach_the_stream(guard):
+    server, client = make_server()
+    fields = b"".join(b"X-%d: v\r\n" % i for i in range(11))
+    cmds = feed(server, client, b"GET http://example.com/ HTTP/1.1\r\n" + fields + b"\r\n")
+    assert guard.refused == ["count"] and closed(cmds) and not heads(cmds)
+    assert sent(cmds).startswith(b"HTTP/1.1 4xx count")
+
+
+def test_exactly_the_cap_of_fields_passes(guard):
+    server, client = make_server()
+    fields = b"".join(b"X-%d: v\r\n" % i for i in range(10))
+    cmds = feed(server, client, b"GET http://example.com/ HTTP/1.1\r\n" + fields + b"\r\n")
+    assert guard.refused == [] and len(heads(cmds)) == 1
+
+
+def test_slow_head_gets_408_at_its_deadline_however_it_dribbles(guard):
+    server, client = make_server()
+    cmds = feed(server, client, b"GET http://example.com/ HTTP/1.1\r\n")
+    wakeups = [c for c in cmds if isinstance(c, mitm_patches.HeadDeadline)]
+    assert len(wakeups) == 1 and wakeups[0].delay == 10.0
+    guard.clock.now += 6
+    assert feed(server, client, b"X: a\r\n") == []  # dribbling does not move the deadline, nor ask again
+    guard.clock.now += 4
+    cmds = list(server.handle_event(events.Wakeup(wakeups[0])))
+    assert guard.refused == ["timeout"]
+    assert sent(cmds).startswith(b"HTTP/1.1 4xx timeout") and closed(cmds)
+
+
+def test_deadline_of_a_completed_head_is_dropped(guard):
+    server, client = make_server()
+    cmds = feed(server, client, b"GET http://example.com/ HTTP/1.1\r\n")
+    wakeup = next(c for c in cmds if isinstance(c, mitm_patches.HeadDeadline))
+    cmds = feed(server, client, b"Host: example.com\r\n\r\n")
+    assert len(heads(cmds)) == 1
+    guard.clock.now += 10
+    assert list(server.handle_event(events.Wakeup(wakeup))) == []
+    assert guard.refused == []
+
+
+def test_next_head_on_a_keep_alive_connection_gets_its_own_deadline(guard):
+    server, client = make_server()
+    first = feed(server, client, b"GET http://example.com/ HTTP/1.1\r\n")
+    wakeup = next(c for c in first if isinstance(c, mitm_patches.HeadDeadline))
+    cmds = feed(server, client, b"Host: example.com\r\n\r\n")
+    stream = heads(cmds)[0].stream_id
+    response = http.Response.make(200, b"", {"Content-Length": "0"})
+    list(server.handle_event(ResponseHeaders(stream, response)))
+    list(server.handle_event(ResponseEndOfMessage(stream)))
+    guard.clock.now += 8  # idle between requests: not the head timer's business
+    assert feed(server, client, b"GET http://example.com/2 HTTP/1.1\r\n") == []  # one wakeup is still pending
+    guard.clock.now += 2  # the first wakeup fires: the second head has 8 s left
+    cmds = list(server.handle_event(events.Wakeup(wakeup)))
+    again = [c for c in cmds if isinstance(c, mitm_patches.HeadDeadline)]
+    assert guard.refused == [] and len(again) == 1 and again[0].delay == pytest.approx(8.0)
+    guard.clock.now += 8
+    cmds = list(server.handle_event(events.Wakeup(again[0])))
+    assert guard.refused == ["timeout"] and closed(cmds)
+
+
+def test_no_guard_means_mitmproxy_as_shipped(monkeypatch):
+    mitm_patches.install()
+    monkeypatch.setattr(mitm_patches, "_head_guard", None)
+    server, client = make_server()
+    cmds = feed(server, client, b"GET http://example.com/ HTTP/1.1\r\nX: " + b"a" * 100_000)
+    assert cmds == [] and len(server.buf) > 100_000
+
+
+def test_pipelined_flood_while_a_response_is_pending_closes(guard):
+    server, client = make_server()
+    cmds = feed(server, client, b"GET http://example.com/ HTTP/1.1\r\nHost: example.com\r\n\r\n")
+    stream = heads(cmds)[0].stream_id
+    assert feed(server, client, b"GET http://example.com/2 HTTP/1.1\r\n") == []  # a little pipelining is fine
+    cmds = feed(server, client, b"X: " + b"a" * 2000)
+    assert guard.refused == ["pipelined"] and closed(cmds) and sent(cmds) == b""
+    errors = [c.event for c in cmds if isinstance(c, ReceiveHttp) and isinstance(c.event, RequestProtocolError)]
+    assert [e.stream_id for e in errors] == [stream]
