@@ -56,7 +56,11 @@ PROFILE_KEYS = ("name", "users", "sources") + RULE_KEYS
 DNS_KEYS = tuple(f.name for f in fields(DnsSettings))
 LIMIT_KEYS = tuple(f.name for f in fields(Limits))
 USER_KEYS = ("password_hash", "password_file")
-SIZE_LIMITS = {"max_response_bytes", "max_request_bytes", "tunnel_max_bytes"}
+SIZE_LIMITS = {"max_response_bytes", "max_request_bytes", "tunnel_max_bytes", "max_header_bytes"}
+COUNT_LIMITS = {"max_header_count"}
+# Limits that apply while a request head is read, before the client (and so
+# its profile) is known: only the top level may set them.
+GLOBAL_LIMITS = ("max_header_bytes", "max_header_count", "header_timeout")
 OPTIONAL_LIMITS = {"tunnel_max_bytes", "tunnel_max_seconds"}
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h)?\s*$")
@@ -95,6 +99,14 @@ def parse_size(value: object) -> int:
     if size <= 0:
         raise ValueError("a size must be greater than zero")
     return size
+
+
+def parse_count(value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{value!r} is not a count (write a whole number such as 100)")
+    if value <= 0:
+        raise ValueError("a count must be greater than zero")
+    return value
 
 
 def hash_password(password: str, *, iterations: int = 200_000, salt: bytes | None = None) -> str:
@@ -264,7 +276,12 @@ class _Reader:
                 changes[key] = None
                 continue
             try:
-                changes[key] = parse_size(value) if key in SIZE_LIMITS else parse_duration(value)
+                if key in SIZE_LIMITS:
+                    changes[key] = parse_size(value)
+                elif key in COUNT_LIMITS:
+                    changes[key] = parse_count(value)
+                else:
+                    changes[key] = parse_duration(value)
             except ValueError as e:
                 self.problem(value_node, f"limits.{key}: {e}")
         return replace(base, **changes)
@@ -364,6 +381,8 @@ class _Reader:
             sources = self.private_networks(keys["sources"][1], "sources") if "sources" in keys else AddressSet()
             if "users" not in keys and "sources" not in keys:
                 self.problem(item, f"client profile {name!r} matches nobody: give it `users` or `sources`")
+            if "limits" in keys:
+                self._global_limits(keys["limits"][1], name)
             rule_keys = {k: v for k, v in keys.items() if k in RULE_KEYS}
             out.append(ClientProfile(
                 name=name, rules=self.rules(rule_keys, top),
@@ -371,6 +390,15 @@ class _Reader:
                 sources=sources, origin=self.origin(item),
             ))
         return tuple(out)
+
+    def _global_limits(self, node: yaml.Node, profile: str) -> None:
+        if not isinstance(node, yaml.MappingNode):
+            return
+        for key_node, _ in node.value:
+            key = self.scalar(key_node)
+            if key in GLOBAL_LIMITS:
+                self.problem(key_node, f"limits.{key} is global: set it in the top-level `limits`, not in client profile "
+                                       f"{profile!r} (it applies while the request head is read, before the client is known)")
 
     def _users(self, node: yaml.Node) -> dict[str, tuple[yaml.Node, yaml.Node]]:
         if not isinstance(node, yaml.MappingNode):
