@@ -1,24 +1,68 @@
 """Who is asking: Proxy-Authorization Basic credentials or the source address,
-matched to a client profile by policy.clients.match_client.
+matched to a client profile by policy.clients (`identify`, then `checked`).
 
-Password verifiers (PBKDF2) are deliberately slow, so successful and failed
-checks are remembered (keyed by a hash of the password, never the password).
+Password verifiers (PBKDF2, 40-120 ms a check) must never stall the proxy:
+
+- The hash runs in a small thread pool (hashlib releases the GIL), never on
+  the event loop. At most MAX_PENDING_CHECKS distinct checks are queued or
+  running; past that a check is refused at once (407 `auth_throttled`).
+  Identical concurrent checks share one hash.
+- Only successes are remembered (bounded LRU, keyed by a keyed BLAKE2 of
+  verifier and password, never the password): a client hashes once, then
+  passes in microseconds.
+- Wrong passwords are counted per source address and per username, as leaky
+  buckets in bounded tables. Past the burst, a check that is not a
+  remembered success is refused with 407 `auth_throttled` and Retry-After,
+  after a THROTTLED_DELAY_SECONDS pause, so a flooder's own connection
+  cannot send more than about one guess a second.
+- A remembered success passes even from a throttled address or for a
+  throttled username: an attacker who knows an agent's username (or shares
+  its address) cannot lock the agent out once it has logged in. Only a
+  password that is right and not yet remembered (the first use after a
+  start, a reload that changed the hash, or past the cache's size) waits out
+  the throttle like a guess would.
+
+Every parameter is a constant below, documented in docs/policy.md.
 """
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
 import hashlib
+import math
+import os
+import time
 from collections import OrderedDict
+from collections.abc import Awaitable, Callable, Hashable
+from concurrent.futures import ThreadPoolExecutor
 
 from mitmproxy import connection
 
-from policy.clients import ClientMatch, match_client, verify_password
+from policy.clients import ClientMatch, PasswordCheck, checked, identify, throttled, verify_password
 from policy.model import Policy
 
 PROXY_AUTHORIZATION = "Proxy-Authorization"
-VERIFY_CACHE_ENTRIES = 4096
+
+# ---- the throttling parameters (one place; docs/policy.md explains them) ----
+# Hash threads: one on a 2-core machine, so hashing can never take the core
+# the event loop runs on; two where there are cores to spare.
+HASH_WORKERS = max(1, min(2, (os.cpu_count() or 1) // 2))
+# Distinct checks queued or running: about a second of work for one worker.
+MAX_PENDING_CHECKS = 8
+SUCCESS_CACHE_ENTRIES = 4096
+# Per source address: 5 wrong passwords at once, then one more every 12 s.
+ADDRESS_BURST = 5
+ADDRESS_REFILL_SECONDS = 12.0
+# Per username (whatever the address): 10 at once, then one every 6 s.
+USERNAME_BURST = 10
+USERNAME_REFILL_SECONDS = 6.0
+# Addresses (and usernames) tracked at once; the least recently seen go first.
+TRACKED_KEYS = 10_000
+# A throttled or "busy" refusal is answered after this pause (no CPU spent).
+THROTTLED_DELAY_SECONDS = 1.0
+BUSY_RETRY_AFTER = 1  # seconds
 
 
 def parse_basic(header: str | None) -> tuple[str, str] | None:
@@ -36,19 +80,74 @@ def parse_basic(header: str | None) -> tuple[str, str] | None:
     return (user, password) if sep else None
 
 
-class ClientIdentifier:
-    def __init__(self) -> None:
-        self._verified: OrderedDict[tuple[str, str], bool] = OrderedDict()
+class FailureThrottle:
+    """Wrong passwords per key as a leaky bucket: each failure adds one, the
+    level drains by one every `refill_seconds`; a key whose level has reached
+    `burst` is throttled until it drains below. At most `capacity` keys are
+    kept (least recently charged dropped first), so a flood of distinct keys
+    costs bounded memory; a dropped key merely starts again at its burst."""
 
-    def _verify(self, verifier: str, password: str) -> bool:
-        key = (verifier, hashlib.sha256(password.encode()).hexdigest())
-        known = self._verified.get(key)
-        if known is None:
-            known = verify_password(verifier, password)
-            self._verified[key] = known
-            while len(self._verified) > VERIFY_CACHE_ENTRIES:
-                self._verified.popitem(last=False)
-        return known
+    def __init__(self, burst: int, refill_seconds: float, capacity: int = TRACKED_KEYS,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.burst = burst
+        self.refill_seconds = refill_seconds
+        self.capacity = capacity
+        self._clock = clock
+        self._levels: OrderedDict[Hashable, tuple[float, float]] = OrderedDict()  # key -> (level, when)
+
+    def __len__(self) -> int:
+        return len(self._levels)
+
+    def _level(self, key: Hashable, now: float) -> float:
+        entry = self._levels.get(key)
+        if entry is None:
+            return 0.0
+        level = entry[0] - (now - entry[1]) / self.refill_seconds
+        if level <= 0:
+            del self._levels[key]
+            return 0.0
+        return level
+
+    def retry_after(self, key: Hashable) -> float:
+        """Seconds until `key` may try again; 0 when it may now."""
+        level = self._level(key, self._clock())
+        excess = level - (self.burst - 1)
+        return excess * self.refill_seconds if excess > 0 else 0.0
+
+    def charge(self, key: Hashable) -> None:
+        now = self._clock()
+        self._levels[key] = (self._level(key, now) + 1, now)
+        self._levels.move_to_end(key)
+        while len(self._levels) > self.capacity:
+            self._levels.popitem(last=False)
+
+    def refund(self, key: Hashable) -> None:
+        """Take back one charge (the password turned out right)."""
+        now = self._clock()
+        level = self._level(key, now)
+        if level > 0:
+            self._levels[key] = (max(0.0, level - 1), now)
+
+
+class ClientIdentifier:
+    """`verify`, `clock` and `sleep` are injectable for tests."""
+
+    def __init__(
+        self,
+        verify: Callable[[str, str], bool] = verify_password,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+    ) -> None:
+        self._verify_password = verify
+        self._sleep = sleep
+        self._by_address = FailureThrottle(ADDRESS_BURST, ADDRESS_REFILL_SECONDS, TRACKED_KEYS, clock)
+        self._by_username = FailureThrottle(USERNAME_BURST, USERNAME_REFILL_SECONDS, TRACKED_KEYS, clock)
+        self._successes: OrderedDict[bytes, None] = OrderedDict()
+        self._pending: dict[bytes, asyncio.Future[bool]] = {}
+        self._pool: ThreadPoolExecutor | None = None  # made on first use: no threads without users
+        # Keys the success cache: its keys reveal nothing about passwords,
+        # even to someone who reads the process's memory without this secret.
+        self._cache_secret = os.urandom(32)
 
     async def match(self, policy: Policy, client: connection.Client, authorization: str | None) -> ClientMatch:
         source = client.peername[0] if client.peername else None
@@ -58,4 +157,64 @@ class ClientIdentifier:
         if authorization and credentials is None:
             credentials = ("", "")  # present but unreadable: treat as wrong credentials
         username, password = credentials if credentials else (None, None)
-        return match_client(policy, source, username, password, verify=self._verify)
+        step = identify(policy, source, username, password)
+        if isinstance(step, PasswordCheck):
+            assert password is not None  # identify asks for a check only with a password
+            return await self._check(policy, source, step, password)
+        return step
+
+    async def _check(self, policy: Policy, source: str | None, check: PasswordCheck, password: str) -> ClientMatch:
+        key = self._cache_key(check.verifier, password) if check.verifier is not None else None
+        if key is not None:
+            if key in self._successes:
+                self._successes.move_to_end(key)
+                return checked(policy, check, True)  # even when throttled: see the module docstring
+            shared = self._pending.get(key)
+            if shared is not None:  # the same check is already running: share its answer
+                return checked(policy, check, await asyncio.shield(shared))
+        wait = max(self._by_address.retry_after(source) if source else 0.0,
+                   self._by_username.retry_after(check.username) if check.verifier is not None else 0.0)
+        if wait > 0:
+            await self._sleep(THROTTLED_DELAY_SECONDS)
+            return throttled(policy, max(1, math.ceil(wait - THROTTLED_DELAY_SECONDS)))
+        if key is None:  # no such user: wrong without hashing, but still a guess from this address
+            if source:
+                self._by_address.charge(source)
+            return checked(policy, check, False)
+        if len(self._pending) >= MAX_PENDING_CHECKS:
+            await self._sleep(THROTTLED_DELAY_SECONDS)
+            return throttled(policy, BUSY_RETRY_AFTER, busy=True)
+        # Charged before hashing, so concurrent guesses see each other;
+        # refunded if the password is right.
+        if source:
+            self._by_address.charge(source)
+        self._by_username.charge(check.username)
+        future = asyncio.get_running_loop().run_in_executor(self._executor(), self._verify_password, check.verifier, password)
+        self._pending[key] = future
+        future.add_done_callback(lambda done: self._finished(key, source, check.username, done))
+        # shield: a client that goes away must not cancel a check others share
+        return checked(policy, check, await asyncio.shield(future))
+
+    def _finished(self, key: bytes, source: str | None, username: str, done: asyncio.Future[bool]) -> None:
+        self._pending.pop(key, None)
+        if done.cancelled() or done.exception() is not None or not done.result():
+            return
+        self._successes[key] = None
+        self._successes.move_to_end(key)
+        while len(self._successes) > SUCCESS_CACHE_ENTRIES:
+            self._successes.popitem(last=False)
+        if source:
+            self._by_address.refund(source)
+        self._by_username.refund(username)
+
+    def _cache_key(self, verifier: str, password: str) -> bytes:
+        h = hashlib.blake2b(key=self._cache_secret, digest_size=16)
+        h.update(verifier.encode())
+        h.update(b"\0")  # verifiers are ASCII without NUL, so the split is unambiguous
+        h.update(password.encode())
+        return h.digest()
+
+    def _executor(self) -> ThreadPoolExecutor:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=HASH_WORKERS, thread_name_prefix="sluice-password")
+        return self._pool
