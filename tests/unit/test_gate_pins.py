@@ -1,0 +1,147 @@
+"""The gate's per-connection pins and the pure checks behind interception and
+reloads, without a network: the dial check and the connected-peer check
+refuse what the gate never approved; tunnels are re-decided with live rules."""
+
+from __future__ import annotations
+
+import pytest
+from mitmproxy import connection
+from mitmproxy.proxy.server_hooks import ServerConnectionHookData
+
+from addons import connections, gate
+from addons.gate import EgressGate, _canonical_ip, _fronting, _live_rules, _still_allowed
+from addons.verdict import Verdict
+from policy.decide import Decision
+from policy.loader import load_policy_text
+from policy.model import Rules
+
+
+class RecordingAudit:
+    def __init__(self):
+        self.lines = []
+
+    def write(self, **record):
+        self.lines.append(record)
+
+
+class NoCaps:
+    def __getattr__(self, name):
+        return lambda *a, **k: None
+
+
+def make_gate():
+    audit = RecordingAudit()
+    return EgressGate(source=None, audit=audit, caps=NoCaps()), audit
+
+
+def client() -> connection.Client:
+    return connection.Client(peername=("127.0.0.1", 40000), sockname=("127.0.0.1", 8080), timestamp_start=0)
+
+
+def test_only_an_approved_ip_and_port_may_be_dialled():
+    g, audit = make_gate()
+    c, other = client(), client()
+    g._approve(c, "8.8.8.8", 443, Rules())
+    assert g.dial_allowed(c, "8.8.8.8", 443)
+    assert not g.dial_allowed(c, "8.8.8.8", 80)  # another port
+    assert not g.dial_allowed(other, "8.8.8.8", 443)  # another client connection
+    assert not g.dial_allowed(c, "169.254.169.254", 443)
+    assert not g.dial_allowed(c, "public.example", 443)  # a name is never dialled
+    assert [line["reason"] for line in audit.lines] == ["pin_mismatch"] * 4
+
+
+def test_approvals_compare_addresses_canonically():
+    g, _ = make_gate()
+    c = client()
+    g._approve(c, "2606:4700:4700:0:0:0:0:1111", 443, Rules())
+    assert g.dial_allowed(c, "2606:4700:4700::1111", 443)
+    assert _canonical_ip("::ffff:8.8.8.8") == "8.8.8.8"
+    assert _canonical_ip("fe80::1%eth0") == "fe80::1"
+    assert _canonical_ip("example.com") is None
+
+
+def test_a_connected_peer_that_was_never_approved_is_closed_at_once(monkeypatch):
+    closed = []
+    monkeypatch.setattr(connections, "abort_server", lambda c, s: closed.append(("server", s)))
+    monkeypatch.setattr(connections, "close_client", lambda c: closed.append(("client", c)))
+    g, audit = make_gate()
+    c = client()
+    g._approve(c, "8.8.8.8", 80, Rules())
+    server = connection.Server(address=("8.8.8.8", 80))
+    server.peername = ("10.0.0.1", 80)  # connected somewhere else than approved
+    g.server_connected(ServerConnectionHookData(client=c, server=server))
+    assert [kind for kind, _ in closed] == ["server", "client"]
+    assert server.error and server.error.startswith("pin_mismatch")
+    assert audit.lines[-1]["reason"] == "pin_mismatch"
+
+
+def test_an_approved_peer_passes_the_connected_check(monkeypatch):
+    monkeypatch.setattr(connections, "abort_server", lambda c, s: pytest.fail("closed an approved peer"))
+    g, audit = make_gate()
+    c = client()
+    g._approve(c, "8.8.8.8", 80, Rules())
+    server = connection.Server(address=("8.8.8.8", 80))
+    server.peername = ("8.8.8.8", 80)
+    g.server_connected(ServerConnectionHookData(client=c, server=server))
+    assert server.error is None and audit.lines == []
+
+
+def _tunnel(host: str, port: int, address: str, profile=None) -> Verdict:
+    return Verdict(host, port, Decision(True, address=address, addresses=(address,)), profile, None)
+
+
+def policy(text: str):
+    return load_policy_text(text, "p.yaml")
+
+
+def test_a_reload_refuses_a_tunnel_by_host_port_and_pinned_address_without_dns():
+    old = _tunnel("public.example", 443, "8.8.8.8")
+    assert _still_allowed(policy("version: 1\n"), old) is None
+    assert _still_allowed(policy("version: 1\ndeny: [public.example]\n"), old).reason == "host_denied"
+    assert _still_allowed(policy("version: 1\nports: [80]\n"), old).reason == "port_not_allowed"
+    assert _still_allowed(policy("version: 1\nallow: [other.example]\n"), old).reason == "host_not_allowed"
+    # A tunnel to a private address opened by private_networks, closed when that goes.
+    private = _tunnel("10.0.0.1", 443, "10.0.0.1")
+    assert _still_allowed(policy("version: 1\nprivate_networks: [10.0.0.0/8]\n"), private) is None
+    assert _still_allowed(policy("version: 1\n"), private).reason == "address_not_public"
+
+
+def test_live_rules_follow_the_profile_and_refuse_when_it_is_gone():
+    p = policy("version: 1\nclients:\n  - name: ci\n    sources: [10.0.0.0/8]\n    methods: [GET]\n")
+    assert _live_rules(p, "ci").methods == frozenset({"GET"})
+    assert _live_rules(p, "gone") is None
+    assert _live_rules(p, None) is p.rules
+    strict = policy("version: 1\nrequire_client: true\nclients:\n  - name: ci\n    sources: [10.0.0.0/8]\n")
+    assert _live_rules(strict, None) is None  # anonymous tunnels are refused once require_client is on
+    assert _still_allowed(strict, _tunnel("public.example", 443, "8.8.8.8")).reason == "client_unknown"
+
+
+@pytest.mark.parametrize("host_header,sni,authority,refused", [
+    ("a.example", "a.example", "", False),
+    ("a.example:443", None, "a.example:443", False),
+    (None, None, "A.EXAMPLE.", False),
+    ("a.example", "a.example", "b.example", True),  # absolute-form naming another vhost
+    (None, None, "b.example:443", True),  # no Host, absolute-form elsewhere
+    ("b.example", None, "", True),
+    (None, "b.example", "", True),
+])
+def test_every_place_a_request_names_a_host_must_name_the_tunnels(host_header, sni, authority, refused):
+    tunnel = _tunnel("a.example", 443, "8.8.8.8")
+    refusal = _fronting(tunnel, host_header, sni, authority)
+    assert (refusal is not None) == refused
+    if refused:
+        assert refusal.reason == "host_mismatch"
+
+
+def test_the_dial_guard_is_installed_when_the_gate_loads(monkeypatch):
+    installed = []
+    monkeypatch.setattr(gate.dial_guard, "install", lambda check: installed.append(check))
+
+    class Source:
+        def on_reload(self, callback):
+            installed.append(callback)
+
+    g = EgressGate(source=Source(), audit=RecordingAudit(), caps=NoCaps())
+    g.load(None)
+    assert installed == [g.dial_allowed, g.revoke_refused_tunnels]
+
