@@ -112,8 +112,17 @@ class EgressGate:
 
     @fail_closed()
     async def http_connect(self, flow: http.HTTPFlow) -> None:
-        if flow.response is None:
-            await self._gate_http(flow, connect=True)
+        if flow.response is not None:
+            return
+        tunnel = self._tunnels.get(flow.server_conn.id)
+        if tunnel is not None:
+            # mitmproxy would treat the tunnel's origin as an upstream proxy
+            # and repoint the tunnel's server: a tunnel names one host only.
+            refusal = Refusal(Reason.HOST_MISMATCH, f"a CONNECT inside the tunnel to {tunnel.host} is not allowed; open a new tunnel from the proxy")
+            flow.metadata[META] = Verdict(tunnel.host, tunnel.port, Decision(False, None, refusal, port=tunnel.port), tunnel.profile, None)
+            flow.response = refusal_response(refusal)
+            return
+        await self._gate_http(flow, connect=True)
 
     async def _gate_http(self, flow: http.HTTPFlow, connect: bool = False) -> None:
         request = flow.request
@@ -139,6 +148,11 @@ class EgressGate:
             flow.response = refusal_response(decision.refusal)
             return
         self.caps.watch_client(flow.client_conn, client.rules)
+        if not connect and request.host_header is not None and not _names_authority(request.host_header, request.host, request.port):
+            # Absolute-form with a Host header naming something else: RFC 9112
+            # 3.2.2 has the proxy replace it, so the origin sees the host the
+            # gate decided on (no fronting another virtual host on that IP).
+            request.host_header = _authority(request.scheme, request.host, request.port)
         # Pin: mitmproxy dials (and keys connection reuse on) request.host.
         request.data.host = decision.address
         self._approve(flow.client_conn, decision.address, request.port, client.rules)
@@ -380,6 +394,19 @@ def _fronting(tunnel: Verdict, host_header: str | None, sni: str | None, authori
         if not _same_host(named, tunnel.host):
             return Refusal(Reason.HOST_MISMATCH, f"the {what} {_short(value)!r} is not the tunnel's host {tunnel.host}")
     return None
+
+
+def _names_authority(host_header: str, host: str, port: int) -> bool:
+    try:
+        named, named_port = mitm_url.parse_authority(host_header, check=True)
+    except ValueError:
+        return False
+    return _same_host(named, host) and (named_port is None or named_port == port)
+
+
+def _authority(scheme: str, host: str, port: int) -> str:
+    shown = f"[{host}]" if ":" in host else host
+    return shown if port == {"http": 80, "https": 443}.get(scheme) else f"{shown}:{port}"
 
 
 def _short(text: str, limit: int = 80) -> str:

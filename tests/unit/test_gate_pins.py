@@ -145,3 +145,22 @@ def test_the_dial_guard_is_installed_when_the_gate_loads(monkeypatch):
     g.load(None)
     assert installed == [g.dial_allowed, g.revoke_refused_tunnels]
 
+
+
+@pytest.mark.parametrize("host_header,host,port,same", [
+    ("a.example", "a.example", 80, True),
+    ("A.Example.:80", "a.example", 80, True),
+    ("a.example:8080", "a.example", 80, False),
+    ("b.example", "a.example", 80, False),
+    ("[2606:4700:4700::1111]:8080", "2606:4700:4700::1111", 8080, True),
+    ("not a host", "a.example", 80, False),
+])
+def test_a_host_header_names_the_requests_authority_or_is_replaced(host_header, host, port, same):
+    assert gate._names_authority(host_header, host, port) is same
+
+
+def test_replacement_host_headers_are_well_formed():
+    assert gate._authority("http", "a.example", 80) == "a.example"
+    assert gate._authority("http", "a.example", 8080) == "a.example:8080"
+    assert gate._authority("https", "2606:4700:4700::1111", 443) == "[2606:4700:4700::1111]"
+    assert gate._authority("https", "2606:4700:4700::1111", 8443) == "[2606:4700:4700::1111]:8443"
