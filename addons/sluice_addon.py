@@ -7,18 +7,22 @@ log writes last, once every cap has had its say.
 
 from addons.audit import AuditLog
 from addons.caps import Caps
+from addons.connection_audit import ConnectionAudit
 from addons.gate import EgressGate
 from addons.guardrails import Guardrails
+from addons.head_limits import HeadLimits
+from addons import mitm_patches
 from addons.policy_source import PolicySource
 from addons.redirects import RedirectGuard
 from addons.upgrades import UpgradeGuard
 
 
 def make_addons() -> list:
+    mitm_patches.install()
     audit = AuditLog()
     source = PolicySource(audit)
     caps = Caps(source, audit)
-    return [Guardrails(), source, EgressGate(source, audit, caps), RedirectGuard(source), UpgradeGuard(caps), caps, audit]
+    return [Guardrails(), source, ConnectionAudit(audit), EgressGate(source, audit, caps), RedirectGuard(source), UpgradeGuard(caps), caps, HeadLimits(source, audit), audit]
 
 
 addons = make_addons()

@@ -13,6 +13,7 @@ from mitmproxy.addons import block, core, disable_h2c, errorcheck, next_layer, p
 from mitmproxy.addons.termlog import TermLog
 from mitmproxy.master import Master
 
+from addons import mitm_patches
 from addons.sluice_addon import make_addons
 from sluice.ca import ca_dir, ensure_ca
 from sluice.listen import parse_listen
@@ -60,6 +61,7 @@ class ReadyLine:
 
 async def _serve(policy: str, listen: tuple[str, int], modes: list[str], audit_log: str, sets: list[str], ca: str) -> int:
     opts = options.Options(listen_host=listen[0], listen_port=listen[1], confdir=ca)
+    mitm_patches.install()
     master = Master(opts, with_termlog=False)
     master.addons.add(TermLog(out=sys.stderr), *mitmproxy_addons())
     master.addons.add(*make_addons(), ReadyLine(policy))

@@ -1,0 +1,108 @@
+"""The request head: its caps, and `Expect: 100-continue` on refused requests.
+
+- Caps. mitmproxy runs no hook before a request head is complete, so
+  addons/mitm_patches.py reads the head and asks this addon (its head guard)
+  for the limits and for the refusal: 431 `request_headers_too_large` past
+  `limits.max_header_bytes` or `limits.max_header_count`, 408
+  `header_timeout` when a head takes longer than `limits.header_timeout` from
+  its first byte (however the client dribbles it). The connection is closed
+  (here too, not only by mitmproxy: see `refuse_head`) and one audit line
+  written. The limits are the policy's top level (read
+  live, so a reload applies to the next read): the client's identity is in
+  the very head being read.
+- Expect. mitmproxy sends `100 Continue` after the `requestheaders` hook
+  whenever the request still says `Expect: 100-continue`, even when an
+  addon refused it there. This addon runs after every deciding addon: on a
+  refused request it drops the header, and on a plain HTTP/1 connection with
+  a body still to come it sends the refusal at once and closes (the client
+  never sends the body). In an intercepted (TLS) tunnel the refusal follows
+  once the client sends the body, as for any refused request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from mitmproxy import connection, http
+from mitmproxy.net.http import http1, status_codes
+
+from addons import connections, mitm_patches
+from addons.audit import AuditLog, peer
+from addons.policy_source import PolicySource
+from addons.refusals import refusal_body, refusal_headers
+from policy.model import Limits
+from policy.reasons import Reason, Refusal
+
+
+def _size(n: int) -> str:
+    return f"{n // 1024} KiB" if n >= 1024 and n % 1024 == 0 else f"{n} bytes"
+
+
+def head_refusal(problem: str, limits: Limits) -> Refusal:
+    if problem == mitm_patches.HEAD_TIMEOUT:
+        return Refusal(Reason.HEADER_TIMEOUT, f"the request head did not arrive whole within this proxy's {limits.header_timeout:g}s "
+                                              "(limits.header_timeout); send the request line and headers at once")
+    if problem == mitm_patches.TOO_MANY_FIELDS:
+        return Refusal(Reason.HEADERS_TOO_LARGE, f"the request has more than this proxy's {limits.max_header_count} header fields "
+                                                 "(limits.max_header_count); send fewer headers")
+    if problem == mitm_patches.PIPELINED_TOO_MUCH:
+        return Refusal(Reason.HEADERS_TOO_LARGE, f"the client sent more than {_size(limits.max_header_bytes)} of further requests "
+                                                 "while a response was pending (limits.max_header_bytes); wait for each response")
+    return Refusal(Reason.HEADERS_TOO_LARGE, f"the request head is over this proxy's {_size(limits.max_header_bytes)} cap "
+                                             "(limits.max_header_bytes); send fewer or smaller headers")
+
+
+class HeadLimits:
+    def __init__(self, source: PolicySource, audit: AuditLog) -> None:
+        self.source = source
+        self.audit = audit
+
+    def load(self, loader) -> None:
+        mitm_patches.set_head_guard(self)
+
+    def done(self) -> None:
+        if mitm_patches.head_guard() is self:
+            mitm_patches.set_head_guard(None)
+
+    # ---- the head guard (called by mitm_patches, inside mitmproxy's layers) --
+
+    def head_limits(self) -> Limits:
+        live = self.source.current
+        return live.policy.rules.limits if live is not None else Limits()
+
+    def refuse_head(self, client: connection.Client, problem: str, limits: Limits) -> bytes:
+        refusal = head_refusal(problem, limits)
+        answered = problem != mitm_patches.PIPELINED_TOO_MUCH  # mid-response: nothing can be sent
+        self.audit.write(
+            event="request", client=peer(client), decision="refuse", reason=refusal.reason.value,
+            status=refusal.status if answered else None, detail=refusal.detail,
+        )
+        # mitmproxy closes the connection on our CloseConnection only once its
+        # reader waits for data; a client still streaming bytes can make that
+        # cancellation land elsewhere and leave the socket open. Close it here,
+        # after the answer (written in this same event) is on its way.
+        asyncio.get_running_loop().call_soon(connections.close_client, client)
+        if not answered:
+            return b""
+        return connections.http1_response_bytes(
+            refusal.status, status_codes.RESPONSES.get(refusal.status, ""), refusal_headers(refusal), refusal_body(refusal)
+        )
+
+    # ---- Expect: 100-continue ------------------------------------------------
+
+    def requestheaders(self, flow: http.HTTPFlow) -> None:
+        if flow.response is None or "expect" not in flow.request.headers:
+            return
+        del flow.request.headers["expect"]  # so mitmproxy sends no `100 Continue`
+        plain_http1 = flow.request.http_version.startswith("HTTP/1") and not flow.client_conn.tls
+        if plain_http1 and _body_pending(flow.request) and flow.killable:
+            flow.response.headers["Connection"] = "close"
+            connections.write_to_client(flow.client_conn, http1.assemble_response(flow.response))
+            flow.kill()
+
+
+def _body_pending(request: http.Request) -> bool:
+    try:
+        return http1.expected_http_body_size(request) != 0
+    except ValueError:
+        return True
