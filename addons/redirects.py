@@ -1,14 +1,47 @@
 """Redirect revalidation: a 3xx whose Location the policy refuses becomes a
 403 `redirect_refused` naming the target and why. The proxy never follows
-redirects itself; the next hop is checked again when it arrives anyway."""
+redirects itself; the next hop is checked again when it arrives anyway.
+
+The refusal always reaches the client whole (its body is exactly its
+Content-Length), whatever the origin's body looks like. mitmproxy decides
+after `responseheaders` whether a response streams: an origin response that
+ends with its headers (Content-Length: 0, HEAD, 204/304, an h2 HEADERS frame
+with END_STREAM) is never streamed, so a stream callable alone never runs
+for it and the refusal would go out with its Content-Length and no body.
+Two ways out, chosen per client:
+
+- A plain-text HTTP/1 client whose origin response may still carry a body:
+  the whole refusal is written to the client socket at once (with
+  `Connection: close`) and the exchange is killed; the origin's body is
+  never read (its connection goes with the client's). Nothing here waits
+  for the origin, however slow or large its body.
+- Otherwise (an origin response that ended with its headers, or a client
+  inside an intercepted TLS tunnel, HTTP/1 or h2, whose socket carries TLS
+  that only mitmproxy's layers can write) the refusal replaces the response
+  inside mitmproxy: its headers carry the refusal's Content-Length, a
+  stream callable sends the whole refusal body on its first call and drops
+  every origin byte after it (nothing is buffered), and the `response` hook
+  puts the body in when the origin's response ended with its headers (then
+  mitmproxy sends headers and body together). The client's connection stays
+  usable. A body the origin never finishes cannot hold the client past the
+  policy's `request_timeout`: the connection is then closed.
+
+A HEAD request gets the refusal's headers (Content-Length: the length the
+GET refusal has) and no body, as HTTP requires.
+"""
 
 from __future__ import annotations
 
-from mitmproxy import http
+import asyncio
+import time
 
+from mitmproxy import http
+from mitmproxy.net.http.http1 import expected_http_body_size
+
+from addons import connections
 from addons.failsafe import fail_closed
 from addons.policy_source import PolicySource
-from addons.refusals import refusal_body, refusal_headers
+from addons.refusals import answer_now, refusal_response
 from addons.resolver import decide
 from addons.verdict import verdict_of
 from policy.decide import Destination
@@ -21,6 +54,7 @@ METHOD_KEEPING = frozenset({307, 308})
 class RedirectGuard:
     def __init__(self, source: PolicySource) -> None:
         self.source = source
+        self._deadlines: dict[str, asyncio.TimerHandle] = {}  # flow id -> request_timeout for an unfinished refusal
 
     @fail_closed(response_phase=True)
     async def responseheaders(self, flow: http.HTTPFlow) -> None:
@@ -48,26 +82,81 @@ class RedirectGuard:
                 f"the response redirects to {target.url}, which this policy refuses ({decision.refusal.reason.value}: {decision.refusal.detail})",
             )
         verdict.cap = refusal
-        _replace(response, refusal)
+        if _plain_http1(flow) and not _ends_with_headers(flow):
+            answer_now(flow, refusal)
+            return
+        flow.response = _refusal_in_place_of(flow, refusal)
+        remaining = verdict.started + verdict.limits.request_timeout - time.time()
+        self._deadlines[flow.id] = asyncio.get_running_loop().call_later(max(0.0, remaining), self._expired, flow)
+
+    @fail_closed()
+    def response(self, flow: http.HTTPFlow) -> None:
+        self._forget(flow)
+        body = flow.response.stream if flow.response is not None else None
+        if not isinstance(body, _RefusalBody):
+            return
+        flow.response.trailers = None  # the origin's trailers are not the refusal's
+        if not body.sent:
+            # The origin's response ended with its headers, so nothing
+            # streamed: mitmproxy sends this content right after this hook.
+            body.sent = True
+            flow.response.raw_content = body.body
+
+    def error(self, flow: http.HTTPFlow) -> None:
+        self._forget(flow)
+
+    def _forget(self, flow: http.HTTPFlow) -> None:
+        handle = self._deadlines.pop(flow.id, None)
+        if handle is not None:
+            handle.cancel()
+
+    def _expired(self, flow: http.HTTPFlow) -> None:
+        """The origin's body has not ended within request_timeout: end the
+        client connection rather than keep it waiting for the refusal's end."""
+        self._deadlines.pop(flow.id, None)
+        if flow.live:
+            connections.close_client(flow.client_conn)
 
 
-def _replace(response: http.Response, refusal: Refusal) -> None:
-    """Turn the origin's response into the refusal before its headers go out;
-    the origin's body is read and dropped so the connection stays usable."""
-    body = refusal_body(refusal)
-    response.status_code = refusal.status
-    response.reason = "Forbidden"
-    response.headers = http.Headers([(k.encode(), v.encode()) for k, v in refusal_headers(refusal).items()])
-    response.headers["Content-Length"] = str(len(body))
-    response.stream = _DropThenSend(body)
+def _plain_http1(flow: http.HTTPFlow) -> bool:
+    """The client speaks HTTP/1 straight on its socket (no TLS that only
+    mitmproxy's layers can write), so bytes can be written to it directly."""
+    return not (flow.client_conn.tls or flow.request.is_http2 or flow.request.is_http3)
 
 
-class _DropThenSend:
-    __slots__ = ("body",)
+def _ends_with_headers(flow: http.HTTPFlow) -> bool:
+    """mitmproxy's own reading of this HTTP/1 response (the same function
+    its HTTP/1 client uses): no body follows its headers."""
+    response = flow.response
+    if response.is_http2 or response.is_http3:
+        return False  # an h2 HEADERS frame may or may not end the stream
+    try:
+        return expected_http_body_size(flow.request, response) == 0
+    except ValueError:
+        return False
+
+
+def _refusal_in_place_of(flow: http.HTTPFlow, refusal: Refusal) -> http.Response:
+    """A fresh response (the origin's object stays with mitmproxy's HTTP/1
+    client, which still frames and reuses the upstream connection by it)."""
+    response = refusal_response(refusal)  # Content-Length: the body's length
+    response.timestamp_start = flow.response.timestamp_start
+    response.stream = _RefusalBody(b"" if flow.request.method.upper() == "HEAD" else response.raw_content)
+    return response
+
+
+class _RefusalBody:
+    """Stream callable: the whole refusal body on the first call (origin data
+    or the origin's end of body), nothing after it; origin bytes are dropped."""
+
+    __slots__ = ("body", "sent")
 
     def __init__(self, body: bytes) -> None:
         self.body = body
+        self.sent = False
 
     def __call__(self, chunk: bytes) -> bytes | list[bytes]:
-        # [] sends nothing (b"" would be a zero-length chunk: an end of body).
-        return self.body if chunk == b"" else []
+        if self.sent:
+            return []  # b"" would be a zero-length chunk: an end of body
+        self.sent = True
+        return self.body if self.body else []
