@@ -158,3 +158,13 @@ def peer(conn: connection.Client) -> str | None:
         return None
     host, port = conn.peername[:2]
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def quote_client(text: str | bytes, limit: int = 100) -> str:
+    """Client bytes or text for a `detail`: printable ASCII only (anything
+    else escaped as in a Python literal) and at most `limit` characters."""
+    if isinstance(text, bytes):
+        text = repr(text)[2:-1]
+    else:
+        text = "".join(c if " " <= c <= "~" else ascii(c)[1:-1] for c in text)
+    return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -234,3 +234,137 @@ def install() -> None:
         if name not in _installed:
             patch()
             _installed.add(name)
+
+
+# ---- refusals_without_hook: socks5_refusals, http1_bad_head, http_no_destination ----
+#
+# mitmproxy refuses some clients itself and runs no addon hook for it: a
+# SOCKS5 handshake it does not accept (SOCKS4, BIND, UDP ASSOCIATE, an
+# unknown address type, garbage; `Socks5Proxy.socks_err`), an HTTP/1 request
+# head it cannot parse (400 from `Http1Server.read_headers`, no flow), and an
+# origin-form request with no Host header (400 from
+# `HttpStream.state_wait_for_request_headers`, a flow but no hook). These
+# wrappers tell a listener (addons/connection_audit.py, via
+# `set_refusal_listener`) so every refusal has its audit line; what mitmproxy
+# sends the client is unchanged. Without a listener they only pass through.
+
+SOCKS5_REFUSED = "socks5"  # message: mitmproxy's; data: the handshake bytes it refused
+HTTP_BAD_HEAD = "http_head"  # message: mitmproxy's parse error; data: b""
+HTTP_NO_DESTINATION = "http_destination"  # message: mitmproxy's; request: the request
+
+
+class RefusalListener(Protocol):
+    def client_refused(self, client: connection.Client, kind: str, message: str, *,
+                       data: bytes = b"", request=None, in_tunnel: bool = False) -> None:
+        """mitmproxy refused this client itself (synchronous, from inside its layers)."""
+
+
+_refusal_listener: RefusalListener | None = None
+
+
+def set_refusal_listener(listener: RefusalListener | None) -> None:
+    global _refusal_listener
+    _refusal_listener = listener
+
+
+def _wrap_once(owner: type, name: str, marker: str, make) -> None:
+    """Wrap owner.name (whatever is there: mitmproxy's function or another
+    Sluice patch of it) unless this patch already did."""
+    current = owner.__dict__[name]
+    seen = current
+    while seen is not None:
+        if getattr(seen, marker, False):
+            return
+        seen = getattr(seen, "__wrapped__", None)
+    wrapper = make(current)
+    wrapper.__wrapped__ = current
+    wrapper.__sluice_patch__ = True
+    setattr(wrapper, marker, True)
+    setattr(owner, name, wrapper)
+
+
+def _patch_socks5_refusals() -> None:
+    from mitmproxy.proxy.layers.modes import Socks5Proxy
+
+    def make(original):
+        def socks_err(self, message, reply_code=None):
+            listener = _refusal_listener
+            # Every call refuses the handshake itself, before a destination is
+            # named (a refused or failed dial never comes here).
+            if listener is not None and self.context.server.address is None:
+                listener.client_refused(self.context.client, SOCKS5_REFUSED, message, data=bytes(self.buf[:32]))
+            return (yield from original(self, message, reply_code))
+        return socks_err
+
+    _wrap_once(Socks5Proxy, "socks_err", "__sluice_socks5_refusals__", make)
+
+
+def _patch_http1_bad_head() -> None:
+    from mitmproxy.proxy.layers.http import HttpLayer, HTTPMode
+
+    def make(original):
+        def read_headers(self, event):
+            listener = _refusal_listener
+            if listener is None:
+                return (yield from original(self, event))
+            # mitmproxy's own 400 for a head it cannot parse, with no request
+            # (so no flow and no hook): a 400 sent, no RequestHeaders, and the
+            # error logged as "<peer>: <error>".
+            answered_400 = parsed = False
+            logged = ""
+            for command in original(self, event):  # Http1Server yields no blocking commands
+                if isinstance(command, commands.SendData) and command.connection is self.conn and command.data.startswith(b"HTTP/1.1 400 "):
+                    answered_400 = True
+                elif isinstance(command, ReceiveHttp) and isinstance(command.event, RequestHeaders):
+                    parsed = True
+                elif isinstance(command, commands.Log):
+                    logged = command.message
+                yield command
+            if answered_400 and not parsed:
+                in_tunnel = any(isinstance(l, HttpLayer) and l.mode is HTTPMode.transparent for l in self.context.layers)
+                listener.client_refused(self.conn, HTTP_BAD_HEAD, logged.partition(": ")[2] or logged, in_tunnel=in_tunnel)
+        return read_headers
+
+    _wrap_once(Http1Server, "read_headers", "__sluice_http1_bad_head__", make)
+
+
+def _patch_http_no_destination() -> None:
+    from mitmproxy.proxy.layers.http import HttpStream, ResponseProtocolError, SendHttp
+
+    def make(original):
+        def state_wait_for_request_headers(self, event):
+            steps = original(self, event)
+            reply = None
+            while True:  # like `yield from`, watching what goes by (replies to blocking commands included)
+                try:
+                    command = steps.send(reply)
+                except StopIteration as done:
+                    return done.value
+                if (_refusal_listener is not None and isinstance(command, SendHttp)
+                        and isinstance(command.event, ResponseProtocolError)
+                        and command.event.code is ErrorCode.DESTINATION_UNKNOWN):
+                    _refusal_listener.client_refused(self.context.client, HTTP_NO_DESTINATION, command.event.message,
+                                                     request=self.flow.request)
+                reply = yield command
+        return state_wait_for_request_headers
+
+    _wrap_once(HttpStream, "state_wait_for_request_headers", "__sluice_http_no_destination__", make)
+
+
+PATCHES.update({
+    "socks5_refusals": (_patch_socks5_refusals, (
+        "mitmproxy.proxy.layers.modes:Socks5Proxy.socks_err",
+        "mitmproxy.proxy.layers.modes:Socks5Proxy.state_greet",
+        "mitmproxy.proxy.layers.modes:Socks5Proxy.state_auth",
+        "mitmproxy.proxy.layers.modes:Socks5Proxy.state_connect",
+    )),
+    # Wraps whatever read_headers is by then (http1_head_caps's wrapper).
+    "http1_bad_head": (_patch_http1_bad_head, (
+        "mitmproxy.proxy.layers.http._http1:Http1Server.read_headers",
+        "mitmproxy.proxy.layers.http._http1:make_error_response",
+    )),
+    "http_no_destination": (_patch_http_no_destination, (
+        "mitmproxy.proxy.layers.http:HttpStream.state_wait_for_request_headers",
+        "mitmproxy.proxy.layers.http:HttpStream._handle_event",
+    )),
+})

@@ -34,6 +34,12 @@ RECORDED = {
     "mitmproxy.proxy.layers.http:HttpLayer.event_to_child": "1095f6e1581d1780",
     "mitmproxy.proxy.layers.http._http1:Http1Connection.wait": "c99d0494a840a2b6",
     "mitmproxy.proxy.layers.http:HttpStream.state_wait_for_request_headers": "3706d5d5ce01dcd4",
+    "mitmproxy.proxy.layers.modes:Socks5Proxy.socks_err": "25dc8e9d3b91ec95",
+    "mitmproxy.proxy.layers.modes:Socks5Proxy.state_greet": "16c9cc458dcd00ae",
+    "mitmproxy.proxy.layers.modes:Socks5Proxy.state_auth": "4e45f4a6f1acf885",
+    "mitmproxy.proxy.layers.modes:Socks5Proxy.state_connect": "1f22acee40d5061e",
+    "mitmproxy.proxy.layers.http._http1:make_error_response": "03ce75ab62e8e78b",
+    "mitmproxy.proxy.layers.http:HttpStream._handle_event": "e3cbfef7310ae81f",
 }
 
 
