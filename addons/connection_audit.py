@@ -11,7 +11,8 @@ hooks. Some refusals happen in mitmproxy before (or instead of) them:
   flow at all) or an origin-form request without a Host header (a flow, no
   hook) reach this addon through `mitm_patches` (`http1_bad_head`,
   `http_no_destination`); inside an intercepted tunnel an unparseable head
-  is `not_http`.
+  is `not_http`, and the HTTP/2 preface (h2c prior knowledge) at the front
+  door is `client_protocol_refused`.
 - **SOCKS handshakes it does not accept** (SOCKS4, BIND, UDP ASSOCIATE, an
   unknown address type, garbage): `client_protocol_refused`, through
   `mitm_patches` (`socks5_refusals`).
@@ -161,6 +162,12 @@ class ConnectionAudit:
             what = "inside an intercepted tunnel, bytes that are not an HTTP request" if in_tunnel else "a request head mitmproxy cannot parse"
             self.audit.write(event="request", client=peer(client), decision="refuse", reason=reason.value,
                              status=400, detail=f"{what}: {quote_client(message)}")
+        elif kind == mitm_patches.HTTP_NO_DESTINATION and request is not None and request.data.method == b"PRI" \
+                and request.data.http_version == b"HTTP/2.0":
+            # The HTTP/2 connection preface (h2c with prior knowledge), read as a request.
+            self.audit.write(event="connection", client=peer(client), decision="refuse",
+                             reason=Reason.CLIENT_PROTOCOL_REFUSED.value, status=400,
+                             detail="the client spoke HTTP/2 (prior knowledge) to the proxy itself; the proxy port is HTTP/1.1")
         elif kind == mitm_patches.HTTP_NO_DESTINATION:
             self.audit.write(event="request", client=peer(client),
                              method=quote_client(request.method, 20) if request is not None else None,

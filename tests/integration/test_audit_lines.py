@@ -8,9 +8,10 @@ intercepted tunnel that carried a request (the tunnel's decision and the
 request's). Modes: regular HTTP, CONNECT (plain and intercepted), SOCKS5.
 Refusals: the policy's (address_not_public, host_not_allowed,
 port_not_allowed, method_not_allowed, client_unknown), caps
-(request_too_large, tunnel_too_large), mitmproxy's own 400s (bad_request),
-SOCKS4 / BIND / UDP ASSOCIATE / garbage (client_protocol_refused), and
-connections back to the proxy's own ports (proxy_loop).
+(request_too_large, tunnel_too_large), mitmproxy's own 400s (bad_request;
+not_http inside an intercepted tunnel), SOCKS4 / BIND / UDP ASSOCIATE /
+garbage and the HTTP/2 preface (client_protocol_refused), and connections
+back to the proxy's own ports (proxy_loop).
 
 The proxy listens on 1.1.1.1, a "public" address of the test namespace, so a
 request naming the proxy's own address passes the address rules and reaches
@@ -326,6 +327,7 @@ CASES = {
     "http-bad_request-request-line": Case(MAIN, _bad(b"HELLO THERE\r\n\r\n"), refuse("bad_request")),
     "http-bad_request-no-host": Case(MAIN, _bad(b"GET / HTTP/1.1\r\n\r\n"), refuse("bad_request")),
     "http-proxy_loop": Case(MAIN, _regular_proxy_loop, refuse("proxy_loop")),
+    "http-h2-prior-knowledge": Case(MAIN, _bad(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"), refuse("client_protocol_refused")),
     # CONNECT, plain tunnel
     "connect-allowed": Case(MAIN, _connect_allowed, ALLOW),
     "connect-allowed-no-bytes": Case(MAIN, _connect_answer("public.example:443", status=200), ALLOW),
@@ -346,6 +348,7 @@ CASES = {
     "intercept-bad_request": Case(
         MAIN, _intercepted(b"POST / HTTP/1.1\r\nHost: example.com\r\nContent-Length: 5\r\n"
                            b"Transfer-Encoding: chunked\r\n\r\n0\r\n\r\n", 400), ALLOW + refuse("bad_request")),
+    "intercept-not_http": Case(MAIN, _intercepted(b"HELLO THERE\r\n\r\n", 400), ALLOW + refuse("not_http")),
     # SOCKS5
     "socks-allowed": Case(MAIN, _socks_allowed, ALLOW, socks=True),
     "socks-address_not_public": Case(MAIN, _socks_refused("10.0.0.1", 80), refuse("address_not_public"), socks=True),
