@@ -1,11 +1,15 @@
-"""`python -m bench profile`: where the time goes, Sluice beside plain mitmdump.
+"""`python -m bench profile [--only connect]`: where the time goes, Sluice
+beside plain mitmdump.
 
 Inside the namespace. For each of mitmdump and Sluice (default policy), and
-each of two loads (16 keep-alive connections of 1 KiB requests; one 64 MiB
-CONNECT tunnel download), a fresh proxy runs under cProfile switched on only
-for the load (bench._profiled). Prints the top functions by own time, and
-Sluice's own functions (addons/, policy/) by cumulative time. cProfile slows
-call-heavy code, so read the shares, not the absolute times.
+each of three loads (16 keep-alive connections of 1 KiB requests; one 64 MiB
+CONNECT tunnel download; CONNECT setups from 16 clients, bench.connects), a
+fresh proxy runs under cProfile switched on only for the load
+(bench._profiled). Prints the own time grouped by where it is spent
+(mitmproxy's layers, hook dispatch, Sluice's gate, DNS cache, asyncio, ...),
+the top functions by own time, and Sluice's own functions (addons/, policy/)
+by cumulative time. cProfile slows call-heavy code, so read the shares, not
+the absolute times.
 """
 
 from __future__ import annotations
@@ -13,17 +17,20 @@ from __future__ import annotations
 import io
 import os
 import pstats
+import shutil
 import signal
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+from bench import connects
 from bench import contenders as C
 from bench import load, origin, policies, procs, run
 from bench.fakedns import FakeDNS
 
 TUNNEL_BYTES = 64 * 2**20
+RESULTS = Path(__file__).resolve().parent / "results"
 OWN = (str(policies.REPO / "addons") + os.sep, str(policies.REPO / "policy") + os.sep)
 
 
@@ -49,13 +56,19 @@ def _profile_one(key: str, scenario: str, root: Path, policy: Path, wrapper: lis
         proc.wait_port(C.LISTEN, port, timeout=30)
         script = load.wrk_script(root, C.NAME, url_host, origin.SMALL)
         target = f"http://{C.LISTEN}:{port}"
-        load.wrk(target, script, connections=16, duration=1)  # warm-up, not profiled
+        if scenario == "connect":  # warm-up, not profiled
+            load.connect_setups((C.LISTEN, port), f"{url_host}:{connects.PORT}", clients=16, seconds=1)
+        else:
+            load.wrk(target, script, connections=16, duration=1)
         os.kill(proc.pid, signal.SIGRTMIN + 2)  # bench._profiled.START
         time.sleep(0.2)
         cpu0 = proc.cpu_seconds()
         if scenario == "http":
             r = load.wrk(target, script, connections=16, duration=seconds)
             done = f"{r.get('requests', 0)} requests, {r.get('rps', 0):.0f} req/s under the profiler"
+        elif scenario == "connect":
+            r = load.connect_setups((C.LISTEN, port), f"{url_host}:{connects.PORT}", clients=16, seconds=seconds)
+            done = f"{r.get('setups', 0)} CONNECT setups, {r.get('rate', 0):.0f}/s under the profiler"
         else:
             r = load.curl_download((C.LISTEN, port), url_host, C.NAME, origin.LARGE, TUNNEL_BYTES)
             done = f"{TUNNEL_BYTES // 2**20} MiB at {r.get('mbps', 0):.0f} MB/s under the profiler"
@@ -71,11 +84,13 @@ def _profile_one(key: str, scenario: str, root: Path, policy: Path, wrapper: lis
         proc.stop()
     if not out.exists():
         return f"### {key}, {scenario}: no profile written ({proc.log_tail()})\n"
+    RESULTS.mkdir(exist_ok=True)
+    shutil.copy(out, RESULTS / out.name)  # for pstats / snakeviz afterwards
     buf = io.StringIO()
     stats = pstats.Stats(str(out), stream=buf)
     total = stats.total_tt or 1e-9
     lines = [f"### {key}, {scenario}: {done}; process CPU {((cpu1 or 0) - (cpu0 or 0)):.1f} s; profiled {total:.1f} s",
-             "", "Top functions by own time:", "", "| own % | own s | calls | function |", "|---:|---:|---:|---|"]
+             ""]
     def find(suffix: str, name: str):
         for (file, line, fname), v in stats.stats.items():
             if fname == name and file.endswith(suffix):
@@ -90,9 +105,19 @@ def _profile_one(key: str, scenario: str, root: Path, policy: Path, wrapper: lis
         events = trig[0]
         lines.insert(1, f"Hook dispatch (`AddonManager.trigger_event`, every event offered to every addon): "
                         f"{trig[3] / total:.0%} of the time including the hooks it runs; {events} events"
-                        + (f" ({events / units:.1f} per {('request' if scenario == 'http' else 'MiB')})" if units else "")
+                        + (f" ({events / units:.1f} per {UNIT[scenario]})" if units else "")
                         + f", ≈{iters[0] / max(events, 1):.0f} addons visited per event.")
         lines.insert(1, "")
+    if units:
+        lines.insert(1, f"CPU per {UNIT[scenario]} (process, without the profiler's share being separable): "
+                        f"{((cpu1 or 0) - (cpu0 or 0)) / units * 1e6:,.0f} µs; profiled time per {UNIT[scenario]}: "
+                        f"{total / units * 1e6:,.0f} µs.")
+        lines.insert(1, "")
+    lines += ["Own time by where it is spent (time in other stdlib functions and builtins, such as contextlib or "
+              "dataclasses, is charged to the callers that spent it):", "", "| share | own s | where |", "|---:|---:|---|"]
+    for where, tt in categories(stats):
+        lines.append(f"| {tt / total:.1%} | {tt:.2f} | {where} |")
+    lines += ["", "Top functions by own time:", "", "| own % | own s | calls | function |", "|---:|---:|---:|---|"]
     rows = sorted(stats.stats.items(), key=lambda kv: -kv[1][2])
     for (file, line, name), (cc, nc, tt, ct, _callers) in rows[:20]:
         lines.append(f"| {tt / total:.1%} | {tt:.2f} | {nc} | `{_short(file)}:{line}({name})` |")
@@ -107,8 +132,92 @@ def _profile_one(key: str, scenario: str, root: Path, policy: Path, wrapper: lis
     return "\n".join(lines) + "\n"
 
 
+UNIT = {"http": "request", "tunnel": "MiB", "connect": "setup"}
+
+# Own time grouped by file (first match wins); "~" entries are C functions.
+_SITE = "site-packages" + os.sep
+
+
+def _ours(file: str, *names: str) -> bool:
+    """file is one of addons/<names>."""
+    return file.startswith(OWN[0]) and os.path.basename(file) in names
+
+
+CATEGORIES = [
+    ("Sluice: gate and policy (addons/gate.py, identity, verdict, refusals; policy/)",
+     lambda f, n: f.startswith(OWN[1]) or _ours(f, "gate.py", "identity.py", "verdict.py", "refusals.py", "failsafe.py")),
+    ("Sluice: DNS cache and resolver (addons/resolver.py, dnspython)",
+     lambda f, n: _ours(f, "resolver.py") or (_SITE + "dns" + os.sep) in f),
+    ("Sluice: caps, audit log, policy source, connections (rest of addons/)", lambda f, n: f.startswith(OWN[0])),
+    ("mitmproxy: hook dispatch (addonmanager.py, hooks.py)",
+     lambda f, n: f.endswith(("mitmproxy" + os.sep + "addonmanager.py", "mitmproxy" + os.sep + "hooks.py"))),
+    ("mitmproxy: connection handler (proxy/server.py) and its commands/events",
+     lambda f, n: f.endswith(tuple("mitmproxy" + os.sep + "proxy" + os.sep + x
+                                   for x in ("server.py", "commands.py", "events.py", "server_hooks.py")))),
+    ("mitmproxy: protocol layers (proxy/layer.py, proxy/layers/, tunnel, modes)",
+     lambda f, n: ("mitmproxy" + os.sep + "proxy" + os.sep) in f),
+    ("mitmproxy: built-in addons (next_layer, proxyserver, ...)",
+     lambda f, n: ("mitmproxy" + os.sep + "addons" + os.sep) in f),
+    ("mitmproxy: the rest (connection and flow objects, HTTP parsing, TLS parsing, utils)",
+     lambda f, n: ("mitmproxy" + os.sep) in f or (_SITE + "mitmproxy_rs") in f),
+    ("socket and epoll system calls (C)",
+     lambda f, n: f == "~" and any(x in n for x in ("socket", "epoll", "select", "_overlapped"))),
+    ("asyncio and selectors (event loop, streams, tasks, futures)",
+     lambda f, n: any(x in f for x in ("asyncio" + os.sep, "selectors.py", os.sep + "socket.py"))
+     or f == "~" and any(x in n for x in ("_asyncio", "Future", "Task", "_contextvars", "Context"))),
+    ("logging", lambda f, n: ("logging" + os.sep) in f),
+    ("other (stdlib, builtins)", lambda f, n: True),
+]
+
+
+OTHER = CATEGORIES[-1][0]
+
+
+def _category(func: tuple) -> str:
+    file, _line, name = func
+    return next(label for label, test in CATEGORIES if test(file, name))
+
+
+def categories(stats: pstats.Stats) -> list[tuple[str, float]]:
+    """Own time per category. The own time of a function in OTHER (stdlib,
+    builtins) goes to its callers, in proportion to the time it spent for
+    each (pstats records that per caller), up the stack until a caller with
+    a category of its own; what is left (no callers) stays OTHER."""
+    totals = {label: 0.0 for label, _ in CATEGORIES}
+    cats = {func: _category(func) for func in stats.stats}
+    memo: dict[tuple, dict[str, float]] = {}
+
+    def shares(func: tuple, visiting: set) -> dict[str, float]:
+        """How func's own time splits over categories (fractions summing to 1)."""
+        cat = cats.get(func, OTHER)
+        if cat != OTHER:
+            return {cat: 1.0}
+        if func in memo:
+            return memo[func]
+        # callers: {caller: (cc, nc, tt, ct)}; tt is func's own time when called from there.
+        # Recursion (a caller already on this path) is left out.
+        callers = {c: v[2] for c, v in (stats.stats[func][4] if func in stats.stats else {}).items()
+                   if v[2] > 0 and c not in visiting}
+        spent = sum(callers.values())
+        if spent <= 0:
+            return {OTHER: 1.0}
+        out: dict[str, float] = {}
+        visiting.add(func)
+        for caller, tt in callers.items():
+            for k, f in shares(caller, visiting).items():
+                out[k] = out.get(k, 0.0) + f * tt / spent
+        visiting.discard(func)
+        memo[func] = out
+        return out
+
+    for func, (_cc, _nc, tt, _ct, _callers) in stats.stats.items():
+        for k, f in shares(func, set()).items():
+            totals[k] += tt * f
+    return sorted(((k, v) for k, v in totals.items() if v > 0), key=lambda kv: -kv[1])
+
+
 def _units(done: str) -> float:
-    """Requests served (http) or MiB moved (tunnel), parsed back from the summary."""
+    """Requests served (http), MiB moved (tunnel) or setups (connect), parsed back from the summary."""
     try:
         return float(done.split()[0])
     except (ValueError, IndexError):
@@ -122,15 +231,21 @@ def _short(file: str) -> str:
     return file
 
 
-def main(seconds: float = 10.0) -> int:
+def main(seconds: float = 10.0, only: tuple[str, ...] | None = None) -> int:
     try:
         run.check_namespace()
     except run.NotInNamespace as e:
         print(f"bench: {e}", file=sys.stderr)
         return 2
+    scenarios = [x for x in ("http", "tunnel", "connect") if not only or x in only]
+    if not scenarios:
+        print("bench: profile scenarios are http, tunnel and connect", file=sys.stderr)
+        return 2
     run._raise_nofile()
     signal.signal(signal.SIGTERM, run._on_signal)
-    parts = []
+    notes: dict = {"notes": []}
+    run._tcp_tw_reuse(notes)
+    parts = [f"_{n}_\n" for n in notes["notes"]]
     with tempfile.TemporaryDirectory(prefix="sluice-bench-profile-") as tmp:
         root = Path(tmp)
         root.chmod(0o755)
@@ -139,8 +254,12 @@ def main(seconds: float = 10.0) -> int:
         try:
             dns.start()
             origin.start(root, TUNNEL_BYTES)
+            if "connect" in scenarios:
+                echo = run._start_echo(root)
+                if echo.startswith("none"):
+                    raise RuntimeError(f"the echo origin did not start: {echo}")
             wrapper = C.hosts_wrapper(root)
-            for scenario in ("http", "tunnel"):
+            for scenario in scenarios:
                 for key in ("mitmdump", "sluice"):
                     print(f"bench: profiling {key}, {scenario}", file=sys.stderr, flush=True)
                     parts.append(_profile_one(key, scenario, root, files["default"], wrapper, seconds))
@@ -151,6 +270,7 @@ def main(seconds: float = 10.0) -> int:
     print(text)
     out = Path(__file__).resolve().parent / "results"
     out.mkdir(exist_ok=True)
-    (out / "profile.md").write_text(text, encoding="utf-8")
-    print(f"bench: wrote {out / 'profile.md'}", file=sys.stderr)
+    name = "profile.md" if not only else f"profile-{'-'.join(scenarios)}.md"
+    (out / name).write_text(text, encoding="utf-8")
+    print(f"bench: wrote {out / name}", file=sys.stderr)
     return 0
