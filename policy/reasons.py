@@ -79,7 +79,7 @@ REASONS: dict[Reason, ReasonInfo] = {
     Reason.BAD_REQUEST: ReasonInfo(400, "the request is malformed HTTP (e.g. both Content-Length and Transfer-Encoding); mitmproxy refused to parse it"),
     Reason.HEADERS_TOO_LARGE: ReasonInfo(431, "the request head is over `limits.max_header_bytes` or has more than `limits.max_header_count` fields"),
     Reason.HEADER_TIMEOUT: ReasonInfo(408, "the request head did not arrive whole within `limits.header_timeout`"),
-    Reason.AUTH_THROTTLED: ReasonInfo(407, "too many wrong proxy passwords from this address or for this user; retry after the `Retry-After` seconds"),
+    Reason.AUTH_THROTTLED: ReasonInfo(407, "too many wrong proxy passwords from this address or for this user, or too many password checks waiting; retry after the `Retry-After` seconds"),
     Reason.TUNNEL_REVOKED: ReasonInfo(403, "an open tunnel was closed because a reloaded policy refuses its destination"),
     Reason.PROXY_LOOP: ReasonInfo(403, "the destination is one of the proxy's own listening addresses"),
 }
@@ -104,4 +104,7 @@ class Refusal:
 
     @property
     def message(self) -> str:
+        if self.retry_after is not None:
+            # Throttling is transient by design: say when to retry instead.
+            return f"Sluice refused this request: {self.detail}. Retry after {self.retry_after} s."
         return f"Sluice refused this request: {self.detail}. {POLICY_SUFFIX}"

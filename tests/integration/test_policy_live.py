@@ -188,7 +188,7 @@ def test_wrong_password_gets_407_and_is_not_forwarded(profiles, net):
         r = c.get("http://public.example/pw")
     assert r.status_code == 407 and r.headers["sluice-reason"] == "client_unknown"
     assert r.headers["proxy-authenticate"].startswith("Basic")
-    assert not any(req.target.endswith("/pw") for req in net.origin("8.8.8.8", 80).requests)
+    assert not any(req.path.endswith("/pw") for req in net.origin("8.8.8.8", 80).requests)
 
 
 def test_source_address_profile_applies_its_rules(profiles):
