@@ -293,8 +293,9 @@ def released(origin):
     origin.release.set()
 
 
-def sluice_ca(sluice_home: Path) -> str:
-    return str(sluice_home / ".sluice" / "ca" / "mitmproxy-ca-cert.pem")
+def sluice_ca(sluice_home: Path) -> ssl.SSLContext:
+    """Trust Sluice's interception CA (clients inside intercepted tunnels)."""
+    return ssl.create_default_context(cafile=str(sluice_home / ".sluice" / "ca" / "mitmproxy-ca-cert.pem"))
 
 
 def url(path: str, location: str, *, tls: bool = False) -> str:
@@ -481,3 +482,56 @@ def test_intercepted_allowed_redirect_passes_unchanged(proxy, origin, sluice_hom
                       trust_env=False, timeout=15) as c:
         r = c.get(url("/cl", "/elsewhere", tls=True))
     assert r.status_code == 302 and r.headers["location"] == "/elsewhere" and r.content == MOVED
+
+
+def rss_kib(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    raise AssertionError("no VmRSS")
+
+
+def test_h2_huge_3xx_body_is_dropped_as_it_streams_not_held(proxy, origin, sluice_home):
+    """Inside an intercepted h2 tunnel the origin's 48 MiB 3xx body is read
+    and dropped chunk by chunk: the refusal arrives whole and the proxy's
+    memory stays flat."""
+    location, names = TARGETS["metadata-ip"]
+    before = rss_kib(proxy.proc.pid)
+    with httpx.Client(proxy=proxy.proxy_url, verify=sluice_ca(sluice_home), http2=True,
+                      trust_env=False, timeout=30) as c:
+        r = c.get(url("/huge", location, tls=True))
+    assert r.http_version == "HTTP/2"
+    assert_whole_refusal(r.status_code, r.headers, r.content, "GET", names)
+    assert origin.bytes_sent["/huge-h2"] == 48 * 1024 * 1024  # read to its end, and dropped
+    grown = rss_kib(proxy.proc.pid) - before
+    assert grown < 24 * 1024, f"proxy RSS grew {grown} KiB while dropping a 48 MiB body"
+
+
+@pytest.fixture(scope="module")
+def short_proxy(sluice_factory, origin, tls_ca):
+    policy = default_policy(ports=[80, 443, PORT, TLS_PORT])
+    policy["intercept"] = [NAME]
+    policy["limits"] = {"request_timeout": "2s"}
+    return sluice_factory(policy, name="redirect-refusal-short",
+                          extra_args=("--set", f"ssl_verify_upstream_trusted_ca={tls_ca.cafile}"))
+
+
+@pytest.mark.parametrize("http2", [False, True], ids=["http1.1", "h2"])
+def test_intercepted_refusal_never_waits_past_request_timeout_for_a_stalled_origin(short_proxy, released, sluice_home, http2):
+    """Inside TLS only mitmproxy's layers can write to the client, and they
+    finish a streamed response only when the origin's body ends. An origin
+    that holds its 3xx body back cannot hold the client: at the policy's
+    request_timeout the client connection is closed (the client gets an
+    error, not a wait until its own timeout), and the audit log records the
+    redirect refusal once."""
+    location, names = TARGETS["metadata-ip"]
+    mark = short_proxy.audit_mark()
+    with httpx.Client(proxy=short_proxy.proxy_url, verify=sluice_ca(sluice_home), http2=http2,
+                      trust_env=False, timeout=httpx.Timeout(30, connect=10)) as c:
+        with pytest.raises(httpx.RemoteProtocolError):
+            with c.stream("GET", url("/stall", location, tls=True)) as r:
+                assert r.status_code == 403 and r.headers["sluice-reason"] == "redirect_refused"
+                r.read()
+    assert not released.release.is_set()
+    entry = short_proxy.wait_audit(lambda e: e["reason"] == "redirect_refused", since=mark, what="the refusal")
+    assert names in entry["detail"] and entry["status"] == 403
