@@ -24,6 +24,11 @@ def _handler(client_id: str):
 def write_to_client(client: connection.Client, data: bytes) -> bool:
     """Send bytes straight to the client socket (an HTTP/1 response that
     replaces whatever mitmproxy would have sent). False if it is gone."""
+    if client.tls:
+        # The client speaks TLS to us (an intercepted tunnel): plaintext on
+        # its socket would be garbage inside the TLS stream. The caller closes
+        # the connection instead; the audit line has the refusal.
+        return False
     handler = _handler(client.id)
     if handler is None:
         return False
