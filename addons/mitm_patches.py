@@ -27,6 +27,8 @@ Patches:
   `Http1Connection._handle_event`: it takes the deadline's wakeup (the
   inherited states would raise on it) and answers 408 and closes if that
   head is still incomplete. At most one wakeup is pending per connection.
+  It also drops what a refused client still sends before the socket closes
+  (the inherited `done` state would buffer it).
 - `http1_pipeline_cap` wraps `Http1Server.wait` (inherited from
   `Http1Connection`). While a response is pending, mitmproxy buffers
   whatever the client sends next, without bound; past
@@ -115,6 +117,7 @@ def _head_ends_within(buf: ReceiveBuffer, limit: int) -> bool:
 def _refuse_head(self: Http1Server, guard: HeadGuard, problem: str, limits: Limits):
     self.state = self.done
     self.buf = ReceiveBuffer()
+    self._sluice_refused = True  # what the client still sends is dropped, not buffered
     self._sluice_head_deadline = None
     raw = guard.refuse_head(self.conn, problem, limits)
     if raw:
@@ -161,6 +164,8 @@ def _patch_http1_head_deadline() -> None:
     original = Http1Connection._handle_event
 
     def _handle_event(self, event):
+        if isinstance(event, events.DataReceived) and getattr(self, "_sluice_refused", False):
+            return  # refused and closing: the inherited `done` state would buffer it
         if not (isinstance(event, events.Wakeup) and isinstance(event.command, HeadDeadline)):
             return (yield from original(self, event))
         self._sluice_wakeup_pending = False
