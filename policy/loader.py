@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import difflib
 import hashlib
+import os
 import re
+import stat
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any, Callable
@@ -70,6 +72,74 @@ _DURATION_UNITS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, None: 1}
 _METHOD = re.compile(r"^[A-Z][A-Z-]{0,31}$")
 _HEADER = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")
 
+# Messages quote text from the file only as a short escaped snippet: the path
+# may point at any file (a shadow file, a key), and messages reach stderr and
+# the audit log.
+SNIPPET_CHARS = 40
+MESSAGE_CHARS = 200
+MAX_SECRET_BYTES = 64 * 1024  # a password_file holds one password
+
+
+def _q(value: object, limit: int = SNIPPET_CHARS) -> str:
+    """repr() of a value from the file, at most `limit` characters of it,
+    non-printable characters escaped, a cut marked with '…'."""
+    if isinstance(value, str):
+        k = min(len(value), limit)
+        while k and len(repr(value[:k])) > limit + 2:  # escapes count too
+            k -= 1
+        shown = repr(value[:k])
+        return shown if k == len(value) else shown[:-1] + "…" + shown[-1]
+    try:
+        shown = repr(value)
+    except ValueError:  # an int over Python's 4300-digit str() limit
+        return "(a number too long to show)"
+    return shown if len(shown) <= limit else shown[:limit] + "…"
+
+
+def _clean(text: str, limit: int = MESSAGE_CHARS) -> str:
+    """A message from elsewhere (an exception): non-printables escaped, capped."""
+    text = "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+    return text if len(text) <= limit else text[:limit] + "…"
+
+
+def _scrub(error: object, *quoted: object) -> str:
+    """An exception's message with each whole repr() of `quoted` text replaced by its snippet."""
+    message = str(error)
+    for text in quoted:
+        if isinstance(text, str):
+            message = message.replace(repr(text), _q(text))
+    return _clean(message)
+
+
+_QUOTED = re.compile(r"'(?:[^'\\]|\\.)*'|\"(?:[^\"\\]|\\.)*\"")
+
+
+def _yaml_message(text: str | None) -> str:
+    """PyYAML's problem text, with anything it quotes from the file (an alias
+    or tag name, a character) cut to a snippet."""
+    def cut(m: re.Match) -> str:
+        quoted = m.group(0)
+        return quoted if len(quoted) <= SNIPPET_CHARS + 2 else quoted[: SNIPPET_CHARS + 1] + "…" + quoted[-1]
+    return _clean(_QUOTED.sub(cut, text or "unknown error"))
+
+
+_PLAUSIBLE_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_-]{0,39}")
+_KEY_PREFIX = re.compile(r"[A-Za-z0-9_-]{1,16}")
+
+
+def _unknown_key(key: str, allowed: tuple[str, ...], what: str) -> str:
+    """A key that could not be a policy key (too long, odd characters) is
+    likely a line of some other file (`root:$6$...:::` parses as a key): say
+    how long it is and how it starts, never the whole of it."""
+    hint = difflib.get_close_matches(key, allowed, n=1)
+    suggestion = f"; did you mean {_q(hint[0])}?" if hint else f"; known keys: {', '.join(allowed)}"
+    if _PLAUSIBLE_KEY.fullmatch(key):
+        return f"unknown key {_q(key)} in {what}{suggestion}"
+    start = _KEY_PREFIX.match(key)
+    starting = f" starting {_q(start.group(0))}" if start else ""
+    unshown = "" if hint else " (not shown; is this a policy file?)"
+    return f"unknown key of {len(key)} characters{starting} in {what}{unshown}{suggestion}"
+
 
 def parse_duration(value: object, *, allow_zero: bool = False) -> float:
     if isinstance(value, bool):
@@ -79,7 +149,7 @@ def parse_duration(value: object, *, allow_zero: bool = False) -> float:
     else:
         m = _DURATION.match(str(value))
         if not m:
-            raise ValueError(f"{value!r} is not a duration (write e.g. '20s', '500ms', '2m')")
+            raise ValueError(f"{_q(value)} is not a duration (write e.g. '20s', '500ms', '2m')")
         seconds = float(m.group(1)) * _DURATION_UNITS[m.group(2)]
     if seconds < 0 or (seconds == 0 and not allow_zero):
         raise ValueError("a duration must be greater than zero")
@@ -94,7 +164,7 @@ def parse_size(value: object) -> int:
     else:
         m = _SIZE.match(str(value))
         if not m:
-            raise ValueError(f"{value!r} is not a size (write e.g. '10MiB', '512KiB', '2GB')")
+            raise ValueError(f"{_q(value)} is not a size (write e.g. '10MiB', '512KiB', '2GB')")
         size = int(float(m.group(1)) * _SIZE_UNITS[(m.group(2) or "b").lower()])
     if size <= 0:
         raise ValueError("a size must be greater than zero")
@@ -103,7 +173,7 @@ def parse_size(value: object) -> int:
 
 def parse_count(value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{value!r} is not a count (write a whole number such as 100)")
+        raise ValueError(f"{_q(value)} is not a count (write a whole number such as 100)")
     if value <= 0:
         raise ValueError("a count must be greater than zero")
     return value
@@ -167,12 +237,10 @@ class _Reader:
                 self.problem(key_node, f"keys in {what} must be strings")
                 continue
             if key in out:
-                self.problem(key_node, f"{key!r} appears twice in {what} (first at line {out[key][0].start_mark.line + 1})")
+                self.problem(key_node, f"{_q(key)} appears twice in {what} (first at line {out[key][0].start_mark.line + 1})")
                 continue
             if key not in allowed:
-                hint = difflib.get_close_matches(key, allowed, n=1)
-                suggestion = f"; did you mean {hint[0]!r}?" if hint else f"; known keys: {', '.join(allowed)}"
-                self.problem(key_node, f"unknown key {key!r} in {what}{suggestion}")
+                self.problem(key_node, _unknown_key(key, allowed, what))
                 continue
             out[key] = (key_node, value_node)
         return out
@@ -198,10 +266,10 @@ class _Reader:
             try:
                 key = parse_host_pattern(text)
             except PatternError as e:
-                self.problem(item, f"in {what}: {e}")
+                self.problem(item, f"in {what}: {_scrub(e, text)}")
                 continue
             if key in seen:
-                self.problem(item, f"in {what}: {text!r} is listed twice (first at line {seen[key]})")
+                self.problem(item, f"in {what}: {_q(text)} is listed twice (first at line {seen[key]})")
                 continue
             seen[key] = item.start_mark.line + 1
             entries.append((text, self.origin(item)))
@@ -217,7 +285,7 @@ class _Reader:
         for item in items:
             value = self.scalar(item)
             if isinstance(value, bool) or not isinstance(value, int) or not 0 < value < 65536:
-                self.problem(item, f"ports: {value!r} is not a port number (1-65535)")
+                self.problem(item, f"ports: {_q(value)} is not a port number (1-65535)")
             else:
                 out.add(value)
         if not items and isinstance(node, yaml.SequenceNode):
@@ -229,11 +297,11 @@ class _Reader:
         for item in self.sequence(node, "methods"):
             value = self.scalar(item)
             if not isinstance(value, str) or not _METHOD.match(value.upper()):
-                self.problem(item, f"methods: {value!r} is not an HTTP method")
+                self.problem(item, f"methods: {_q(value)} is not an HTTP method")
                 continue
             if value.upper() not in STANDARD_METHODS:
                 hint = difflib.get_close_matches(value.upper(), sorted(STANDARD_METHODS), n=1)
-                self.problem(item, f"methods: {value!r} is not a standard HTTP method" + (f"; did you mean {hint[0]!r}?" if hint else ""))
+                self.problem(item, f"methods: {_q(value)} is not a standard HTTP method" + (f"; did you mean {_q(hint[0])}?" if hint else ""))
                 continue
             out.add(value.upper())
         return frozenset(out)
@@ -249,10 +317,10 @@ class _Reader:
             cidr, port = _split_cidr_port(value)
             try:
                 if port is not None and not (port.isdigit() and 0 < int(port) < 65536):
-                    raise PatternError(f"{value!r} has an invalid port {port!r}")
+                    raise PatternError(f"{_q(value)} has an invalid port {_q(port)}")
                 entries.append(AddressSet.entry(cidr, int(port) if port else None, self.origin(item), value))
             except PatternError as e:
-                self.problem(item, f"{what}: {e}")
+                self.problem(item, f"{what}: {_scrub(e, value, cidr)}")
         return AddressSet(tuple(entries))
 
     def headers(self, node: yaml.Node) -> frozenset[str]:
@@ -260,7 +328,7 @@ class _Reader:
         for item in self.sequence(node, "strip_request_headers"):
             value = self.scalar(item)
             if not isinstance(value, str) or not _HEADER.match(value):
-                self.problem(item, f"strip_request_headers: {value!r} is not a header name")
+                self.problem(item, f"strip_request_headers: {_q(value)} is not a header name")
             else:
                 out.add(value.lower())
         return frozenset(out)
@@ -316,7 +384,7 @@ class _Reader:
             if key == "action":
                 value = self.scalar(value_node)
                 if value not in ("enforce", "report"):
-                    self.problem(value_node, f"action must be 'enforce' or 'report', not {value!r}")
+                    self.problem(value_node, f"action must be 'enforce' or 'report', not {_q(value)}")
                 else:
                     changes[key] = value
             elif key in ("allow", "deny", "intercept"):
@@ -352,7 +420,7 @@ class _Reader:
             deny = rules.deny.match_name(probe)
             covers = deny and (kind == "exact" or _covers(rules.deny, kind, key))
             if covers:
-                self.problem(item, f"allow entry {text!r} can never match: the deny rule {deny.text!r} ({deny.origin}) always wins")
+                self.problem(item, f"allow entry {_q(text)} can never match: the deny rule {_q(deny.text)} ({deny.origin}) always wins")
 
     def profiles(self, node: yaml.Node, top: Rules) -> tuple[ClientProfile, ...]:
         out = []
@@ -365,14 +433,14 @@ class _Reader:
                 self.problem(item, "every client profile needs a `name`")
                 continue
             if name in names:
-                self.problem(keys["name"][1], f"client profile {name!r} is defined twice (first at line {names[name]})")
+                self.problem(keys["name"][1], f"client profile {_q(name)} is defined twice (first at line {names[name]})")
                 continue
             names[name] = item.start_mark.line + 1
             credentials = []
             if "users" in keys:
                 for user, (user_node, spec_node) in self._users(keys["users"][1]).items():
                     if user in users_seen:
-                        self.problem(user_node, f"user {user!r} is already in profile {users_seen[user]!r}")
+                        self.problem(user_node, f"user {_q(user)} is already in profile {_q(users_seen[user])}")
                         continue
                     users_seen[user] = name
                     verifier = self._verifier(user, spec_node)
@@ -380,7 +448,7 @@ class _Reader:
                         credentials.append((user, verifier))
             sources = self.private_networks(keys["sources"][1], "sources") if "sources" in keys else AddressSet()
             if "users" not in keys and "sources" not in keys:
-                self.problem(item, f"client profile {name!r} matches nobody: give it `users` or `sources`")
+                self.problem(item, f"client profile {_q(name)} matches nobody: give it `users` or `sources`")
             if "limits" in keys:
                 self._global_limits(keys["limits"][1], name)
             rule_keys = {k: v for k, v in keys.items() if k in RULE_KEYS}
@@ -398,7 +466,7 @@ class _Reader:
             key = self.scalar(key_node)
             if key in GLOBAL_LIMITS:
                 self.problem(key_node, f"limits.{key} is global: set it in the top-level `limits`, not in client profile "
-                                       f"{profile!r} (it applies while the request head is read, before the client is known)")
+                                       f"{_q(profile)} (it applies while the request head is read, before the client is known)")
 
     def _users(self, node: yaml.Node) -> dict[str, tuple[yaml.Node, yaml.Node]]:
         if not isinstance(node, yaml.MappingNode):
@@ -408,16 +476,16 @@ class _Reader:
         for key_node, value_node in node.value:
             user = self.scalar(key_node)
             if not isinstance(user, str) or not user or ":" in user:
-                self.problem(key_node, f"{user!r} is not a valid username (no ':' allowed)")
+                self.problem(key_node, f"{_q(user)} is not a valid username (no ':' allowed)")
                 continue
             out[user] = (key_node, value_node)
         return out
 
     def _verifier(self, user: str, node: yaml.Node) -> str | None:
-        spec = self.mapping(node, USER_KEYS, f"user {user!r}")
+        spec = self.mapping(node, USER_KEYS, f"user {_q(user)}")
         if len(spec) != 1:
             if isinstance(node, yaml.MappingNode):
-                self.problem(node, f"user {user!r} needs exactly one of password_hash or password_file (never a plain password)")
+                self.problem(node, f"user {_q(user)} needs exactly one of password_hash or password_file (never a plain password)")
             return None
         key, (_, value_node) = next(iter(spec.items()))
         value = self.scalar(value_node)
@@ -427,7 +495,7 @@ class _Reader:
         if key == "password_hash":
             wrong = _check_verifier(value)
             if wrong:
-                self.problem(value_node, f"password_hash for {user!r}: {wrong}")
+                self.problem(value_node, f"password_hash for {_q(user)}: {wrong}")
                 return None
             return value
         if self.read_secret is None:
@@ -435,10 +503,16 @@ class _Reader:
         try:
             secret = self.read_secret(value)
         except OSError as e:
-            self.problem(value_node, f"password_file for {user!r}: cannot read {value!r} ({e.strerror or e})")
+            self.problem(value_node, f"password_file for {_q(user)}: cannot read {_q(value)} ({e.strerror or e})")
+            return None
+        except FileRefused as e:
+            self.problem(value_node, f"password_file for {_q(user)}: cannot read {_q(value)}: {e}")
+            return None
+        except UnicodeDecodeError:
+            self.problem(value_node, f"password_file for {_q(user)}: {_q(value)} is not UTF-8 text")
             return None
         if not secret:
-            self.problem(value_node, f"password_file for {user!r}: {value!r} is empty")
+            self.problem(value_node, f"password_file for {_q(user)}: {_q(value)} is empty")
             return None
         return "sha256:" + hashlib.sha256(secret.encode()).hexdigest()
 
@@ -477,26 +551,26 @@ def _nameserver(text: object) -> tuple[str, int]:
     import ipaddress
 
     if not isinstance(text, str) or not text.strip():
-        raise ValueError(f"{text!r} is not a nameserver (write an IP, optionally with :port)")
+        raise ValueError(f"{_q(text)} is not a nameserver (write an IP, optionally with :port)")
     text = text.strip()
     host, port = text, 53
     if text.startswith("["):
         host, _, rest = text[1:].partition("]")
         if rest:
             if not rest.startswith(":") or not rest[1:].isdigit():
-                raise ValueError(f"{text!r} has a bad port")
+                raise ValueError(f"{_q(text)} has a bad port")
             port = int(rest[1:])
     elif text.count(":") == 1:
         host, p = text.split(":")
         if not p.isdigit():
-            raise ValueError(f"{text!r} has a bad port")
+            raise ValueError(f"{_q(text)} has a bad port")
         port = int(p)
     try:
         ipaddress.ip_address(host)
     except ValueError:
-        raise ValueError(f"{text!r}: a nameserver must be an IP address, not a name") from None
+        raise ValueError(f"{_q(text)}: a nameserver must be an IP address, not a name") from None
     if not 0 < port < 65536:
-        raise ValueError(f"{text!r} has a bad port")
+        raise ValueError(f"{_q(text)} has a bad port")
     return host, port
 
 
@@ -530,14 +604,14 @@ def _scan(root: yaml.Node, file: str, what: str = "policy") -> list[Problem]:
                     message = "YAML merge keys (<<) are not supported; write the keys out"
                 else:
                     tag = "!!" + node.tag[len(_YAML):] if node.tag.startswith(_YAML) else node.tag
-                    message = f"the YAML tag {tag!r} is not allowed in a {what}"
+                    message = f"the YAML tag {_q(tag)} is not allowed in a {what}"
                 problems.append(Problem(file, mark.line + 1, mark.column + 1, message))
             elif node.tag in _CHECKED_SCALARS and isinstance(node, yaml.ScalarNode):
                 try:
                     checker.yaml_constructors[node.tag](checker, node)
                 except Exception as e:  # PyYAML raises IndexError, KeyError, AttributeError... here too
                     kind = node.tag[len(_YAML):]
-                    problems.append(Problem(file, mark.line + 1, mark.column + 1, f"{node.value!r} is not a valid {kind} ({e})"))
+                    problems.append(Problem(file, mark.line + 1, mark.column + 1, f"{_q(node.value)} is not a valid {kind} ({_scrub(e, node.value)})"))
         if isinstance(node, yaml.SequenceNode):
             stack.extend(node.value)
         elif isinstance(node, yaml.MappingNode):
@@ -556,9 +630,9 @@ def compose_checked(text: str, file: str, what: str = "policy", *, null_is_empty
     except yaml.MarkedYAMLError as e:
         mark = e.problem_mark or e.context_mark
         line, col = (mark.line + 1, mark.column + 1) if mark else (1, 1)
-        raise PolicyInvalid([Problem(file, line, col, f"YAML syntax: {e.problem or e.context}")]) from None
+        raise PolicyInvalid([Problem(file, line, col, f"YAML syntax: {_yaml_message(e.problem or e.context)}")]) from None
     except yaml.YAMLError as e:
-        raise PolicyInvalid([Problem(file, 1, 1, f"YAML: {e}")]) from None
+        raise PolicyInvalid([Problem(file, 1, 1, f"YAML: {_yaml_message(str(e))}")]) from None
     except RecursionError:
         raise PolicyInvalid([Problem(file, 1, 1, f"the {what} nests lists or mappings too deeply; refusing it")]) from None
     if root is None or (null_is_empty and isinstance(root, yaml.ScalarNode) and root.tag == _YAML + "null"):  # nothing, `---` or `~`
@@ -575,7 +649,7 @@ def load_policy_text(text: str, file: str = "<policy>", read_secret: Callable[[s
     except PolicyInvalid:
         raise
     except Exception as e:  # a gap in validation must not crash a reload or a check
-        raise PolicyInvalid([Problem(file, 1, 1, f"the policy could not be read ({type(e).__name__}: {e})")]) from None
+        raise PolicyInvalid([Problem(file, 1, 1, f"the policy could not be read ({type(e).__name__}: {_clean(str(e))})")]) from None
 
 
 def _load_policy_text(text: str, file: str, read_secret: Callable[[str], str] | None) -> Policy:
@@ -594,7 +668,7 @@ def _load_policy_text(text: str, file: str, read_secret: Callable[[str], str] | 
     else:
         version = reader.scalar(keys["version"][1])
         if isinstance(version, bool) or not isinstance(version, int) or version != 1:
-            reader.problem(keys["version"][1], f"unsupported policy version {version!r}; this Sluice reads version 1")
+            reader.problem(keys["version"][1], f"unsupported policy version {_q(version)}; this Sluice reads version 1")
     rule_keys = {k: v for k, v in keys.items() if k in RULE_KEYS}
     top = reader.rules(rule_keys, Rules())
     dns = reader.dns(keys["dns"][1]) if "dns" in keys else DnsSettings()
@@ -603,7 +677,7 @@ def _load_policy_text(text: str, file: str, read_secret: Callable[[str], str] | 
     if "require_client" in keys:
         value = reader.scalar(keys["require_client"][1])
         if not isinstance(value, bool):
-            reader.problem(keys["require_client"][1], f"require_client must be true or false, not {value!r}")
+            reader.problem(keys["require_client"][1], f"require_client must be true or false, not {_q(value)}")
         else:
             require_client = value
             if value and not clients:
@@ -618,17 +692,67 @@ def load_policy_file(path: str | Path) -> Policy:
     return read_policy_file(path)[0]
 
 
-def read_policy_file(path: str | Path) -> tuple[Policy, bytes]:
-    """The validated policy and the exact bytes it was read from (one read)."""
-    path = Path(path)
+class FileRefused(ValueError):
+    """read_regular_file: the path does not lead to a regular file within the size limit."""
+
+
+_FILE_KINDS = (
+    (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+    (stat.S_ISSOCK, "a socket"), (stat.S_ISDIR, "a directory"),
+)
+
+
+def read_regular_file(path: str | Path, limit: int) -> bytes:
+    """The bytes of the regular file `path` leads to (symlinks followed), at most
+    `limit` of them. Anything else raises FileRefused without reading a byte:
+    the open is non-blocking, so a FIFO cannot hang it (a thread blocked opening
+    a FIFO could never be cancelled), and the type is checked on the opened fd,
+    so a path swapped after a check cannot slip a device in. OSError as usual."""
+    flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOCTTY", 0) | getattr(os, "O_CLOEXEC", 0)
+    fd = os.open(path, flags)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            kind = next((name for test, name in _FILE_KINDS if test(st.st_mode)), "not a plain file")
+            raise FileRefused(f"it is {kind}, not a regular file (symlinks followed); refusing to read it")
+        if st.st_size > limit:
+            raise FileRefused(f"it is {st.st_size} bytes, over the {_size_text(limit)} limit; refusing to read it")
+        chunks, total = [], 0
+        while total <= limit:  # read limit+1 at most: a file growing past fstat's size is still caught
+            chunk = os.read(fd, min(limit + 1 - total, 1 << 20))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            total += len(chunk)
+        if total > limit:
+            raise FileRefused(f"it grew past the {_size_text(limit)} limit while being read; refusing it")
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+def _size_text(n: int) -> str:
+    return f"{n // 2**20} MiB" if n % 2**20 == 0 else f"{n // 1024} KiB" if n % 1024 == 0 else f"{n} bytes"
+
+
+def read_policy_bytes(path: str | Path, what: str = "policy") -> bytes:
+    """The one way Sluice reads a policy (or cases) file: read_regular_file
+    within MAX_POLICY_BYTES, every failure a PolicyInvalid at FILE:1:1."""
     name = str(path)
     try:
-        size = path.stat().st_size
-        if size > MAX_POLICY_BYTES:
-            raise PolicyInvalid([Problem(name, 1, 1, f"the policy is {size} bytes, over the {MAX_POLICY_BYTES // 2**20} MiB limit; refusing to read it")])
-        raw = path.read_bytes()
+        return read_regular_file(path, MAX_POLICY_BYTES)
+    except FileRefused as e:
+        raise PolicyInvalid([Problem(name, 1, 1, f"cannot read the {what}: {e}")]) from None
     except OSError as e:
-        raise PolicyInvalid([Problem(name, 1, 1, f"cannot read the policy: {e.strerror or e}")]) from None
+        raise PolicyInvalid([Problem(name, 1, 1, f"cannot read the {what}: {e.strerror or e}")]) from None
+
+
+def read_policy_file(path: str | Path) -> tuple[Policy, bytes]:
+    """The validated policy and the exact bytes it was read from (one read).
+    Blocking file I/O: the proxy calls it off its event loop."""
+    path = Path(path)
+    name = str(path)
+    raw = read_policy_bytes(path)
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -638,6 +762,6 @@ def read_policy_file(path: str | Path) -> tuple[Policy, bytes]:
         p = Path(secret_path)
         if not p.is_absolute():
             p = path.parent / p
-        return p.read_text(encoding="utf-8").strip("\r\n")
+        return read_regular_file(p, MAX_SECRET_BYTES).decode("utf-8").strip("\r\n")
 
     return load_policy_text(text, name, read_secret), raw

@@ -21,7 +21,6 @@ import re
 import socket
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import yaml
@@ -30,7 +29,7 @@ from addons.resolver import DnsFailure, PinnedResolver, Resolution, StaticResolv
 from policy.clients import match_client
 from policy.decide import Decision, Destination
 from policy.hosts import HostError, IPHost, internal_name, parse_host
-from policy.loader import MAX_POLICY_BYTES, PolicyInvalid, Problem, _scan, compose_checked, hash_password, load_policy_file
+from policy.loader import PolicyInvalid, Problem, _scan, compose_checked, hash_password, load_policy_file, read_policy_bytes
 from policy.model import DnsSettings, Policy, Rules
 from policy.reasons import Reason
 from policy.urls import split_url
@@ -458,13 +457,9 @@ class _CaseReader:
 
 def load_cases(path: str, policy: Policy) -> list[Case]:
     """Parse and validate a cases file; raise PolicyInvalid with every problem."""
-    p = Path(path)
+    raw = read_policy_bytes(path, "cases file")  # the policy's safe reader: regular files only, size-capped
     try:
-        if p.stat().st_size > MAX_POLICY_BYTES:
-            raise PolicyInvalid([Problem(path, 1, 1, f"the cases file is over {MAX_POLICY_BYTES // 2**20} MiB; refusing to read it")])
-        text = p.read_bytes().decode("utf-8")
-    except OSError as e:
-        raise PolicyInvalid([Problem(path, 1, 1, f"cannot read the cases file: {e.strerror or e}")]) from None
+        text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
         raise PolicyInvalid([Problem(path, 1, 1, f"the cases file is not UTF-8 text ({e.reason} at byte {e.start})")]) from None
     root = compose_checked(text, path, "cases file", null_is_empty=False)  # `~` is "no cases"
