@@ -9,6 +9,13 @@ then rename and Kubernetes ConfigMap symlink swaps, since the path is re-read
 through its symlinks each time) and SIGHUP. A new policy is validated in full
 before the swap; a bad edit or a deleted file keeps the last good policy and
 is reported (stderr in FILE:LINE:COL form, and a `reload` audit line).
+
+A reload reads, parses and validates in a worker thread, never on the event
+loop (a 4 MiB policy takes a while to parse), and only the swap runs on the
+loop. The read itself (`policy.loader.read_regular_file`) opens non-blocking
+and refuses anything but a regular file, so a path turned into a FIFO or a
+device cannot wedge the worker. Reloads are serialized: a trigger during a
+reload runs one more reload after it.
 """
 
 from __future__ import annotations
@@ -50,6 +57,8 @@ class PolicySource:
         self.poll_seconds = 1.0
         self._reload_failed = False  # the last reload attempt failed
         self._listeners: list[Callable[[LivePolicy], None]] = []
+        self._reloading: asyncio.Task | None = None
+        self._again = False  # a trigger arrived during the running reload
 
     def on_reload(self, callback: Callable[[LivePolicy], None]) -> None:
         """Call `callback(live)` on the event loop after each reload that swapped
@@ -103,16 +112,17 @@ class PolicySource:
                 ctx.master.shutdown()
                 return
         try:
-            asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, self._reload_logged)
+            asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, self.request_reload)
         except (NotImplementedError, RuntimeError, ValueError):
             pass  # not the main thread (embedded use): polling still works
         if self.poll_seconds > 0 and self._poller is None:
             self._poller = asyncio.ensure_future(self._poll())
 
     def done(self) -> None:
-        if self._poller is not None:
-            self._poller.cancel()
-            self._poller = None
+        for task in (self._poller, self._reloading):
+            if task is not None:
+                task.cancel()
+        self._poller = self._reloading = None
 
     async def _poll(self) -> None:
         while True:
@@ -121,22 +131,48 @@ class PolicySource:
                 signature = _signature(ctx.options.sluice_policy)
                 if signature != self._last_seen:
                     self._last_seen = signature
-                    self.reload()
+                    await asyncio.shield(self.request_reload())
+            except asyncio.CancelledError:
+                raise
             except Exception:  # the watcher must never die
                 logger.exception("policy watcher error")
 
-    def _reload_logged(self) -> None:
-        try:
-            self.reload()
-        except Exception:  # a signal handler must never raise into the loop
-            logger.exception("policy reload failed")
+    def request_reload(self) -> asyncio.Task:
+        """Start a reload; during one, ask for one more after it (any number of
+        requests meanwhile make one). The task's result is the last reload's.
+        Also the SIGHUP handler, so it never raises."""
+        if self._reloading is None or self._reloading.done():
+            self._again = False
+            self._reloading = asyncio.ensure_future(self._reload_serially())
+        else:
+            self._again = True
+        return self._reloading
 
-    def reload(self) -> bool:
+    async def reload(self) -> bool:
         """Validate the file and swap it in; keep the last good policy on any failure."""
+        return await self.request_reload()
+
+    async def _reload_serially(self) -> bool:
+        while True:
+            self._again = False
+            try:
+                ok = await self._reload_once()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # one failed attempt must not end reloading
+                logger.exception("policy reload failed")
+                ok = False
+            if not self._again:
+                return ok
+
+    async def _reload_once(self) -> bool:
         path = ctx.options.sluice_policy
         if not path:
             return False
-        if not os.path.exists(path):
+        outcome = await asyncio.to_thread(_read_off_loop, path)
+        if ctx.options.sluice_policy != path:
+            return False  # the option changed meanwhile and configure() loaded the new path
+        if outcome is None:
             if not self._missing_reported:
                 logger.warning(f"{path}: the policy file is gone; keeping the last good policy")
                 self.audit.write(event="reload", decision="failed", detail=f"{path} is missing; last good policy kept")
@@ -144,15 +180,15 @@ class PolicySource:
                 self._reload_failed = True
             return False
         self._missing_reported = False
-        try:
-            policy, digest = self._read(path)
-        except PolicyInvalid as e:
-            for problem in e.problems:
+        if isinstance(outcome, PolicyInvalid):
+            problems = outcome.problems
+            for problem in problems:
                 logger.error(str(problem))
-            logger.error(f"{path}: reload refused ({len(e.problems)} problem(s)); keeping the last good policy")
-            self.audit.write(event="reload", decision="failed", detail="; ".join(str(p) for p in e.problems[:20]))
+            logger.error(f"{path}: reload refused ({len(problems)} problem(s)); keeping the last good policy")
+            self.audit.write(event="reload", decision="failed", detail="; ".join(str(p) for p in problems[:20]))
             self._reload_failed = True
             return False
+        policy, digest = outcome
         if self.current is not None and digest == self.current.digest:
             if self._reload_failed:  # the last good file is back: say so
                 self._reload_failed = False
@@ -180,6 +216,17 @@ class PolicySource:
         if ctx.options.tcp_timeout != idle:
             ctx.options.update(tcp_timeout=idle)
         return self.current
+
+
+def _read_off_loop(path: str) -> tuple[Policy, str] | PolicyInvalid | None:
+    """In a worker thread: None if the file is missing, else the policy and
+    its digest, or the problems (returned, so the loop reports them)."""
+    if not os.path.exists(path):
+        return None
+    try:
+        return PolicySource._read(path)
+    except PolicyInvalid as e:
+        return e
 
 
 def _signature(path: str) -> tuple | None:

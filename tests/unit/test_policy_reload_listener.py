@@ -1,8 +1,9 @@
-"""PolicySource.on_reload: listeners hear about swapped-in policies only."""
+"""PolicySource reloads: off the event loop, serialized, and heard by on_reload listeners."""
 
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 from mitmproxy.test import taddons
@@ -85,3 +86,63 @@ async def _reload(source: PolicySource) -> bool:
     if hasattr(result, "__await__"):
         result = await result
     return result
+
+
+def test_a_reload_reads_and_parses_off_the_event_loop(source_in, monkeypatch):
+    path, audit, source = source_in(GOOD)
+    threads: list[int] = []
+    real_read = PolicySource._read
+
+    def recording_read(p):
+        threads.append(threading.get_ident())
+        return real_read(p)
+
+    async def body() -> None:
+        with taddons.context(source) as tctx:
+            tctx.configure(source, sluice_policy=str(path), sluice_policy_poll="0")
+            monkeypatch.setattr(PolicySource, "_read", staticmethod(recording_read))
+            path.write_text(OTHER)
+            assert await source.reload()
+            assert source.current.generation == 2
+
+    asyncio.run(body())
+    assert threads and threading.main_thread().ident not in threads
+
+
+def test_reloads_never_overlap_and_a_trigger_during_one_runs_one_more(source_in, monkeypatch):
+    path, audit, source = source_in(GOOD)
+    real_read = PolicySource._read
+    entered, release = threading.Event(), threading.Event()
+    running, overlaps, reads = [0], [], []
+
+    def slow_read(p):
+        running[0] += 1
+        overlaps.append(running[0])
+        try:
+            result = real_read(p)
+            reads.append(result[1])
+            if len(reads) == 1:  # hold the first reload after it read the old file
+                entered.set()
+                release.wait()
+            return result
+        finally:
+            running[0] -= 1
+
+    async def body() -> None:
+        with taddons.context(source) as tctx:
+            tctx.configure(source, sluice_policy=str(path), sluice_policy_poll="0")
+            monkeypatch.setattr(PolicySource, "_read", staticmethod(slow_read))
+            first = source.request_reload()
+            await asyncio.to_thread(entered.wait)
+            path.write_text(OTHER)  # changed while the first reload is running
+            assert source.request_reload() is first  # SIGHUP calls exactly this
+            assert source.request_reload() is first
+            release.set()
+            assert await first
+            assert source.current.generation == 2
+            assert source.current.policy.rules.allow.match_name("example.org")
+
+    asyncio.run(body())
+    assert len(reads) == 2  # three triggers: the running reload and one more after it
+    assert reads[0] != reads[1]
+    assert max(overlaps) == 1
