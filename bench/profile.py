@@ -4,19 +4,26 @@ beside plain mitmdump.
 Inside the namespace. For each of mitmdump and Sluice (default policy), and
 each of three loads (16 keep-alive connections of 1 KiB requests; one 64 MiB
 CONNECT tunnel download; CONNECT setups from 16 clients, bench.connects), a
-fresh proxy runs under cProfile switched on only for the load
-(bench._profiled). Prints the own time grouped by where it is spent
-(mitmproxy's layers, hook dispatch, Sluice's gate, DNS cache, asyncio, ...),
-the top functions by own time, and Sluice's own functions (addons/, policy/)
-by cumulative time. cProfile slows call-heavy code, so read the shares, not
-the absolute times.
+fresh proxy runs under a profiler switched on only for the load
+(bench._profiled), pinned to one CPU like in the bench, twice: once under a
+CPU-time sampler (shares of the CPU the process really used: not skewed by
+other processes on a shared machine, nor by profiler overhead), once under
+cProfile (exact call counts, e.g. events per setup; wall-clock times that
+include preemption and its own per-call overhead). Each prints the time
+grouped by where it is spent (mitmproxy's layers, hook dispatch, Sluice's
+gate, DNS cache, asyncio, ...), the top functions, and Sluice's own
+functions (addons/, policy/) including what they call. Results go to
+bench/results/profile[-SCENARIOS].md, with the raw profiles beside them.
 """
 
 from __future__ import annotations
 
 import io
+import json
+import linecache
 import os
 import pstats
+import re
 import shutil
 import signal
 import sys
@@ -34,8 +41,9 @@ RESULTS = Path(__file__).resolve().parent / "results"
 OWN = (str(policies.REPO / "addons") + os.sep, str(policies.REPO / "policy") + os.sep)
 
 
-def _argv(key: str, port: int, root: Path, policy: Path, out: Path, wrapper: list[str] | None) -> list[str]:
-    prof = [sys.executable, "-m", "bench._profiled", str(out)]
+def _argv(key: str, port: int, root: Path, policy: Path, out: Path, wrapper: list[str] | None,
+          sample: bool = False) -> list[str]:
+    prof = [sys.executable, "-m", "bench._profiled"] + (["--sample"] if sample else []) + [str(out)]
     confdir = root / "mitmproxy-conf"
     confdir.mkdir(exist_ok=True)
     if key == "mitmdump":
@@ -47,13 +55,17 @@ def _argv(key: str, port: int, root: Path, policy: Path, out: Path, wrapper: lis
                    "--audit-log", str(root / "audit-profile.jsonl"), "--set", f"confdir={confdir}"]
 
 
-def _profile_one(key: str, scenario: str, root: Path, policy: Path, wrapper: list[str] | None, seconds: float) -> str:
+def _profile_one(key: str, scenario: str, root: Path, policy: Path, wrapper: list[str] | None, seconds: float,
+                 sample: bool = False, cpus: set[int] | None = None) -> str:
     port = 18090
-    out = root / f"{key}-{scenario}.prof"
-    proc = procs.Proc(f"{key}-profiled", _argv(key, port, root, policy, out, wrapper), root / f"{key}-{scenario}.log").start()
+    out = root / f"{key}-{scenario}.{'samples.json' if sample else 'prof'}"
+    proc = procs.Proc(f"{key}-profiled", _argv(key, port, root, policy, out, wrapper, sample),
+                      root / f"{key}-{scenario}.log").start()
     url_host = C.NAME if (key != "mitmdump" or wrapper) else origin.HOST
     try:
         proc.wait_port(C.LISTEN, port, timeout=30)
+        if cpus:
+            procs.pin(proc.pid, cpus)
         script = load.wrk_script(root, C.NAME, url_host, origin.SMALL)
         target = f"http://{C.LISTEN}:{port}"
         if scenario == "connect":  # warm-up, not profiled
@@ -62,7 +74,7 @@ def _profile_one(key: str, scenario: str, root: Path, policy: Path, wrapper: lis
             load.wrk(target, script, connections=16, duration=1)
         os.kill(proc.pid, signal.SIGRTMIN + 2)  # bench._profiled.START
         time.sleep(0.2)
-        cpu0 = proc.cpu_seconds()
+        cpu0, split0 = proc.cpu_seconds(), _user_system(proc.pid)
         if scenario == "http":
             r = load.wrk(target, script, connections=16, duration=seconds)
             done = f"{r.get('requests', 0)} requests, {r.get('rps', 0):.0f} req/s under the profiler"
@@ -72,7 +84,7 @@ def _profile_one(key: str, scenario: str, root: Path, policy: Path, wrapper: lis
         else:
             r = load.curl_download((C.LISTEN, port), url_host, C.NAME, origin.LARGE, TUNNEL_BYTES)
             done = f"{TUNNEL_BYTES // 2**20} MiB at {r.get('mbps', 0):.0f} MB/s under the profiler"
-        cpu1 = proc.cpu_seconds()
+        cpu1, split1 = proc.cpu_seconds(), _user_system(proc.pid)
         if "error" in r:
             done += f" (error: {r['error']})"
         os.kill(proc.pid, signal.SIGRTMIN + 3)  # bench._profiled.STOP
@@ -86,11 +98,13 @@ def _profile_one(key: str, scenario: str, root: Path, policy: Path, wrapper: lis
         return f"### {key}, {scenario}: no profile written ({proc.log_tail()})\n"
     RESULTS.mkdir(exist_ok=True)
     shutil.copy(out, RESULTS / out.name)  # for pstats / snakeviz afterwards
+    if sample:
+        return _sampled(out, key, scenario, done, (cpu1 or 0) - (cpu0 or 0), split1[1] - split0[1])
     buf = io.StringIO()
     stats = pstats.Stats(str(out), stream=buf)
     total = stats.total_tt or 1e-9
-    lines = [f"### {key}, {scenario}: {done}; process CPU {((cpu1 or 0) - (cpu0 or 0)):.1f} s; profiled {total:.1f} s",
-             ""]
+    lines = [f"### {key}, {scenario}, cProfile (wall-clock times, every call): {done}; process CPU "
+             f"{((cpu1 or 0) - (cpu0 or 0)):.1f} s; profiled {total:.1f} s", ""]
     def find(suffix: str, name: str):
         for (file, line, fname), v in stats.stats.items():
             if fname == name and file.endswith(suffix):
@@ -216,6 +230,84 @@ def categories(stats: pstats.Stats) -> list[tuple[str, float]]:
     return sorted(((k, v) for k, v in totals.items() if v > 0), key=lambda kv: -kv[1])
 
 
+SOCKET_CALL = re.compile(r"\.(send|sendall|recv|recv_into|connect|connect_ex|accept|close|shutdown|poll|select|"
+                         r"setsockopt|getsockopt|getpeername|getsockname|socketpair)\(")
+SYSCALLS = "socket and epoll system calls (the line making the call)"
+
+
+def _user_system(pid: int) -> tuple[float, float]:
+    """(user, system) CPU seconds of one process so far."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        tick = os.sysconf("SC_CLK_TCK")
+        return int(fields[11]) / tick, int(fields[12]) / tick
+    except (OSError, ValueError, IndexError):
+        return 0.0, 0.0
+
+
+def _sampled(out: Path, key: str, scenario: str, done: str, cpu: float, system: float) -> str:
+    """The CPU-time sampler's view. The kernel fires CPU timers on its tick
+    (CONFIG_HZ, often 250/s), not every SAMPLE_INTERVAL, so a sample stands
+    for an unknown slice of CPU: the shares count, and µs are shares of the
+    CPU the process was measured to use."""
+    data = json.loads(out.read_text(encoding="utf-8"))
+    interval, samples = data["interval"], data["samples"]
+    n = sum(c for c, _ in samples) or 1
+    units = _units(done)
+    per = f"{UNIT[scenario]}"
+    cats = {label: 0 for label, _ in CATEGORIES}
+    cats[SYSCALLS] = 0
+    own_fn: dict[tuple, int] = {}
+    own_incl: dict[tuple, int] = {}
+    hooks = hooks_own = sluice_any = 0
+    for count, frames in samples:
+        file, first, name, line = frames[-1]
+        if SOCKET_CALL.search(linecache.getline(file, line or 0) if line else ""):
+            cats[SYSCALLS] += count
+        else:
+            for f in reversed(frames):
+                label = _category((f[0], f[1], f[2]))
+                if label != OTHER:
+                    break
+            cats[label] += count
+        top = (file, first, name)
+        own_fn[top] = own_fn.get(top, 0) + count
+        seen = {(f[0], f[1], f[2]) for f in frames}
+        for fn in seen:
+            if fn[0].startswith(OWN):
+                own_incl[fn] = own_incl.get(fn, 0) + count
+        mine = any(fn[0].startswith(OWN) for fn in seen)
+        sluice_any += count if mine else 0
+        if any(fn[0].endswith("addonmanager.py") and fn[2] == "trigger_event" for fn in seen):
+            hooks += count
+            hooks_own += count if mine else 0
+    del interval  # see the docstring: shares, not sample counts times the interval
+    lines = [f"### {key}, {scenario}, CPU-time sampler: {done}; process CPU {cpu:.1f} s "
+             f"({system / cpu if cpu else 0:.0%} of it in the kernel); {n} samples", ""]
+    if units:
+        lines += [f"CPU per {per}: {cpu / units * 1e6:,.0f} µs (process, under the sampler), of which "
+                  f"{system / units * 1e6:,.0f} µs system time.", ""]
+    lines += [f"Hook dispatch (inside `AddonManager.trigger_event`): {hooks / n:.0%} of the CPU, of which "
+              f"{hooks_own / n:.0%} in Sluice's hooks and {(hooks - hooks_own) / n:.0%} dispatching. Sluice's own "
+              f"code (addons/, policy/) and everything it calls: {sluice_any / n:.0%}.", "",
+              "CPU by where it is spent (the innermost frame with a category; stdlib and builtins charged to their "
+              "caller; socket calls on their own line):", "", "| share | µs per " + per + " | where |",
+              "|---:|---:|---|"]
+    for label, count in sorted(cats.items(), key=lambda kv: -kv[1]):
+        if count:
+            us = f"{count / n * cpu / units * 1e6:,.0f}" if units else "–"
+            lines.append(f"| {count / n:.1%} | {us} | {label} |")
+    lines += ["", "Top functions by own CPU:", "", "| own % | function |", "|---:|---|"]
+    for (file, first, name), count in sorted(own_fn.items(), key=lambda kv: -kv[1])[:15]:
+        lines.append(f"| {count / n:.1%} | `{_short(file)}:{first}({name})` |")
+    if own_incl:
+        lines += ["", "Sluice's functions, CPU including what they call:", "", "| cum % | function |", "|---:|---|"]
+        for (file, first, name), count in sorted(own_incl.items(), key=lambda kv: -kv[1])[:12]:
+            lines.append(f"| {count / n:.1%} | `{_short(file)}:{first}({name})` |")
+    return "\n".join(lines) + "\n"
+
+
 def _units(done: str) -> float:
     """Requests served (http), MiB moved (tunnel) or setups (connect), parsed back from the summary."""
     try:
@@ -259,10 +351,16 @@ def main(seconds: float = 10.0, only: tuple[str, ...] | None = None) -> int:
                 if echo.startswith("none"):
                     raise RuntimeError(f"the echo origin did not start: {echo}")
             wrapper = C.hosts_wrapper(root)
+            layout = procs.cpu_layout()
+            if layout:  # like the bench: the proxy on one core, the load and origins on the other
+                os.sched_setaffinity(0, layout[0])
             for scenario in scenarios:
                 for key in ("mitmdump", "sluice"):
-                    print(f"bench: profiling {key}, {scenario}", file=sys.stderr, flush=True)
-                    parts.append(_profile_one(key, scenario, root, files["default"], wrapper, seconds))
+                    for sample in (True, False):
+                        print(f"bench: profiling {key}, {scenario}, {'CPU sampler' if sample else 'cProfile'}",
+                              file=sys.stderr, flush=True)
+                        parts.append(_profile_one(key, scenario, root, files["default"], wrapper, seconds,
+                                                  sample, layout[1] if layout else None))
         finally:
             procs.stop_all()
             dns.stop()
