@@ -75,6 +75,7 @@ class VhostOrigin:
     default_vhost: str | None = None
     _seen: list[Seen] = field(default_factory=list)
     connections: int = 0
+    tls_server_names: list[str | None] = field(default_factory=list)  # the SNI of every TLS connection
 
     def __post_init__(self) -> None:
         self._lock = threading.Lock()
@@ -92,6 +93,7 @@ class VhostOrigin:
         with self._lock:
             self._seen.clear()
             self.connections = 0
+            self.tls_server_names.clear()
 
     def _record(self, seen: Seen) -> None:
         with self._lock:
@@ -129,6 +131,9 @@ class VhostOrigin:
             self.connections += 1
         sslobj = writer.get_extra_info("ssl_object")
         sni = getattr(sslobj, "sluice_sni", None) if sslobj is not None else None
+        if sslobj is not None:
+            with self._lock:
+                self.tls_server_names.append(sni)
         try:
             while True:
                 line = await reader.readline()
@@ -273,7 +278,9 @@ def exchange(sock: socket.socket, chunks: list[bytes], pause: float = 0.15, meth
         return Outcome("response", read_response(reader, method=method))
     except (TimeoutError, socket.timeout):
         return Outcome("timeout", error=repr(reader.buf[:200]))
-    except ssl.SSLError as e:
+    except (ssl.SSLEOFError, ssl.SSLZeroReturnError) as e:  # the proxy closed the TLS connection
+        return Outcome("closed", error=repr(e))
+    except ssl.SSLError as e:  # bytes that are not TLS records (e.g. plaintext) on a TLS connection
         return Outcome("tls_error", error=repr(e))
     except (ConnectionError, OSError) as e:
         return Outcome("closed", error=repr(e))

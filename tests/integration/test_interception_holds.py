@@ -294,6 +294,7 @@ def test_other_vhost_by_host_header_or_sni_is_refused(proxy, origin, sluice_ca, 
         sock = open_tunnel(proxy, mode, sluice_ca, sni=B)  # TLS naming b.example inside a.example's tunnel
         outcome = exchange(sock, [request("GET", "/x", A)])
         assert_refused(outcome, {"host_mismatch"})
+        assert B not in origin.tls_server_names, origin.tls_server_names  # upstream TLS names the tunnel's host
     assert origin.seen() == []
 
 
