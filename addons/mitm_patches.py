@@ -93,12 +93,17 @@ class HeadDeadline(commands.RequestWakeup):
     """The header_timeout wakeup a Http1Server asks for (told apart from others)."""
 
 
-def _set(owner: type, name: str, wrapper, original) -> None:
-    """Install `wrapper` as owner.name, unless a Sluice patch is already there."""
-    if getattr(owner.__dict__.get(name), "__sluice_patch__", False):
-        return
+def _set(owner: type, name: str, wrapper, original, marker: str) -> None:
+    """Install `wrapper` (around `original`, what owner.name is now) unless
+    this patch (`marker`) is already somewhere in owner.name's wrappers."""
+    seen = owner.__dict__.get(name)
+    while seen is not None:
+        if getattr(seen, marker, False):
+            return
+        seen = getattr(seen, "__wrapped__", None)
     wrapper.__wrapped__ = original  # inspect.unwrap finds mitmproxy's function
     wrapper.__sluice_patch__ = True
+    setattr(wrapper, marker, True)
     setattr(owner, name, wrapper)
 
 
@@ -157,7 +162,7 @@ def _patch_http1_head_caps() -> None:
             yield command
         yield from _arm_deadline(self, limits.header_timeout)
 
-    _set(Http1Server, "read_headers", read_headers, original)
+    _set(Http1Server, "read_headers", read_headers, original, "__sluice_http1_head_caps__")
 
 
 def _patch_http1_head_deadline() -> None:
@@ -181,7 +186,7 @@ def _patch_http1_head_deadline() -> None:
             return
         yield from _refuse_head(self, guard, HEAD_TIMEOUT, limits)
 
-    _set(Http1Server, "_handle_event", _handle_event, original)
+    _set(Http1Server, "_handle_event", _handle_event, original, "__sluice_http1_head_deadline__")
 
 
 def _patch_http1_pipeline_cap() -> None:
@@ -199,7 +204,7 @@ def _patch_http1_pipeline_cap() -> None:
             code=ErrorCode.CLIENT_DISCONNECTED,
         ))
 
-    _set(Http1Server, "wait", wait, original)
+    _set(Http1Server, "wait", wait, original, "__sluice_http1_pipeline_cap__")
 
 
 # name -> (the patch, the mitmproxy functions whose source it depends on)
@@ -214,6 +219,7 @@ PATCHES = {
     "http1_head_deadline": (_patch_http1_head_deadline, (
         "mitmproxy.proxy.layers.http._http1:Http1Connection._handle_event",
         "mitmproxy.proxy.layers.http:HttpLayer.event_to_child",
+        "mitmproxy.proxy.server:ConnectionHandler.wakeup",
     )),
     "http1_pipeline_cap": (_patch_http1_pipeline_cap, (
         "mitmproxy.proxy.layers.http._http1:Http1Connection.wait",
@@ -227,6 +233,14 @@ RELIED_ON = {
     # function sends `100 Continue` after that hook when the header is there.
     "expect_on_refusal": (
         "mitmproxy.proxy.layers.http:HttpStream.state_wait_for_request_headers",
+    ),
+    # A CloseConnection for the client cancels its reader task, but if the
+    # client keeps sending, the cancellation can land outside the try that
+    # closes the socket (on the server_event lock), leaving it open until
+    # garbage collection; addons/head_limits.py closes the socket itself.
+    "head_refusal_close": (
+        "mitmproxy.proxy.server:ConnectionHandler.handle_connection",
+        "mitmproxy.proxy.server:ConnectionHandler.server_event",
     ),
 }
 
