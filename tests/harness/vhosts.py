@@ -11,7 +11,9 @@ It serves every virtual host name on one address, as a shared HTTP server
 does, and routes a request the way RFC 9112 origins do: by the request
 target's authority when the target is absolute-form, else by the Host header,
 else (no Host at all, e.g. HTTP/1.0) to its `default_vhost`, as nginx's
-`default_server` does. `/bytes/N` answers N bytes instead of JSON.
+`default_server` does. `/bytes/N` answers N bytes instead of JSON. A
+WebSocket upgrade request gets `101 Switching Protocols`, then every byte is
+echoed back raw (`websocket_bytes` counts them).
 Like nginx it skips empty lines before a request line. Every request is
 recorded before it is answered; the answer is JSON naming the virtual host
 (`{"vhost": ..., "method": ..., "target": ..., "headers": {...}}`) with an
@@ -29,6 +31,8 @@ Clients:
 from __future__ import annotations
 
 import asyncio
+import base64
+import hashlib
 import json
 import socket
 import ssl
@@ -76,6 +80,7 @@ class VhostOrigin:
     _seen: list[Seen] = field(default_factory=list)
     connections: int = 0
     tls_server_names: list[str | None] = field(default_factory=list)  # the SNI of every TLS connection
+    websocket_bytes: int = 0  # bytes echoed after a 101
 
     def __post_init__(self) -> None:
         self._lock = threading.Lock()
@@ -94,6 +99,7 @@ class VhostOrigin:
             self._seen.clear()
             self.connections = 0
             self.tls_server_names.clear()
+            self.websocket_bytes = 0
 
     def _record(self, seen: Seen) -> None:
         with self._lock:
@@ -170,6 +176,18 @@ class VhostOrigin:
                 body = json.dumps({"vhost": vhost, "method": method, "target": target, "headers": headers,
                                    "sni": sni, "port": port}).encode()
                 close = headers.get("connection", "").lower() == "close"
+                if headers.get("upgrade", "").lower() == "websocket" and "sec-websocket-key" in headers:
+                    accept = base64.b64encode(hashlib.sha1(
+                        (headers["sec-websocket-key"] + "258EAFA5-E914-47DA-95CA-C5AB0DC85B11").encode()).digest())
+                    writer.write(b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+                                 b"Sec-WebSocket-Accept: " + accept + b"\r\n\r\n")
+                    await writer.drain()
+                    while chunk := await reader.read(65536):
+                        with self._lock:
+                            self.websocket_bytes += len(chunk)
+                        writer.write(chunk)
+                        await writer.drain()
+                    return
                 if target.startswith("/bytes/") and target[7:].isdigit():
                     n = int(target[7:])
                     writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % n)
