@@ -22,8 +22,8 @@
   (`client_protocol_refused`), so one client connection never multiplexes
   streams onto one shared upstream object and TLS to the proxy never implies
   interception.
-- The dial itself is checked (addons/mitm_patches.py wraps mitmproxy's
-  connect): only an IP address this gate approved for the client connection
+- The dial itself is checked (addons/mitm_patches.py, dial_check, wraps
+  mitmproxy's connect): only an IP address this gate approved for the client connection
   may be dialled, never a name; after the connect, the peer must be that
   address (else `pin_mismatch`, closed before a byte passes).
 - A reload re-decides every open tunnel against the new policy and closes
@@ -42,7 +42,7 @@ from mitmproxy.proxy.layers import modes
 from mitmproxy.proxy.layers.http import HTTPMode
 from mitmproxy.proxy.server_hooks import ServerConnectionHookData
 
-from addons import connections, dial_guard
+from addons import connections, mitm_patches
 from addons.audit import AuditLog, peer
 from addons.failsafe import fail_closed
 from addons.caps import Caps
@@ -80,7 +80,8 @@ class EgressGate:
         self._client_tunnels: dict[str, list[str]] = {}
 
     def load(self, loader) -> None:
-        dial_guard.install(self.dial_allowed)
+        mitm_patches.install()
+        mitm_patches.set_dial_check(self.dial_allowed)
         self.source.on_reload(self.revoke_refused_tunnels)
 
     def live(self) -> LivePolicy:
@@ -326,7 +327,7 @@ class EgressGate:
             self.caps.meter_tunnel(data.client, data.server, tunnel)
 
     def dial_allowed(self, client: connection.Client, host: str, port: int) -> bool:
-        """Checked by addons/mitm_patches.py right before mitmproxy's TCP
+        """Checked by addons/mitm_patches.py (dial_check) right before mitmproxy's TCP
         connect (after it waited for a connection slot): only an IP address
         approved for this client connection, never a name."""
         if _canonical_ip(host) is not None and self._approved_rules(client, host, port) is not None:

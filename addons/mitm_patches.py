@@ -35,6 +35,10 @@ Patches:
   `limits.max_header_bytes` the connection is closed (no answer can be sent
   in the middle of another response).
 
+- `dial_check` wraps `ConnectionHandler.open_connection` and, for the task
+  it runs in, `asyncio.open_connection`: only an (IP, port) the gate approved
+  for that client connection is dialled, never a name (see its section).
+
 These limits are global (the policy's top level): the client's identity is
 in the very head being read. The head patches act only once a guard is set
 (`set_head_guard`, by addons/head_limits.py); until then mitmproxy behaves as
@@ -45,13 +49,17 @@ stack, so they are encrypted there).
 
 from __future__ import annotations
 
+import asyncio
+import contextvars
+import functools
+from collections.abc import Callable
 import re
 import time
 from typing import Protocol
 
 from h11._receivebuffer import ReceiveBuffer
 from mitmproxy import connection
-from mitmproxy.proxy import commands, events
+from mitmproxy.proxy import commands, events, server
 from mitmproxy.proxy.layers.http._base import ReceiveHttp
 from mitmproxy.proxy.layers.http._events import ErrorCode, RequestHeaders, RequestProtocolError
 from mitmproxy.proxy.layers.http._http1 import Http1Connection, Http1Server
@@ -387,3 +395,64 @@ PATCHES.update({
         "mitmproxy.proxy.layers.http:HttpStream._handle_event",
     )),
 })
+
+
+# ---- dial_check ------------------------------------------------------------
+#
+# mitmproxy's `ConnectionHandler.open_connection` runs the `server_connect`
+# hook, then waits for a per-address connection slot, then reads the server
+# address *again* and calls `asyncio.open_connection` with it; `server_connected`
+# fires only after the TCP handshake, when an internal service has already
+# accepted. So the connect itself is wrapped: while a handler opens a
+# connection, `asyncio.open_connection` first asks the gate
+# (`set_dial_check`, by addons/gate.py) whether that exact (IP, port) was
+# approved for that client connection. A name is never approved, so mitmproxy
+# and the OS never resolve one. A refused dial raises OSError before any packet
+# is sent; mitmproxy reports it as a failed connect. Fails closed: with no
+# check set, every dial that a handler makes is refused.
+
+class DialRefused(OSError):
+    pass
+
+
+DialCheck = Callable[[connection.Client, str, int], bool]
+_dial_check: DialCheck | None = None
+# The client connection whose handler is dialling (set for that task only).
+_dialling_for: contextvars.ContextVar[connection.Client | None] = contextvars.ContextVar("sluice_dialling_for", default=None)
+
+
+def set_dial_check(check: DialCheck | None) -> None:
+    global _dial_check
+    _dial_check = check
+
+
+def _patch_dial_check() -> None:
+    def make_open_connection(original):
+        @functools.wraps(original)
+        async def open_connection(self, command):
+            token = _dialling_for.set(self.client)
+            try:
+                return await original(self, command)
+            finally:
+                _dialling_for.reset(token)
+        return open_connection
+
+    _wrap_once(server.ConnectionHandler, "open_connection", "__sluice_dial_check__", make_open_connection)
+    if getattr(asyncio.open_connection, "__sluice_dial_check__", False):
+        return
+    original_connect = asyncio.open_connection
+
+    @functools.wraps(original_connect)
+    async def guarded_open_connection(host=None, port=None, *args, **kwargs):
+        client = _dialling_for.get()
+        if client is not None and (_dial_check is None or not _dial_check(client, host, port)):
+            raise DialRefused(f"pin_mismatch: Sluice refused to dial {host}:{port}, which was not approved for this client connection")
+        return await original_connect(host, port, *args, **kwargs)
+
+    guarded_open_connection.__sluice_dial_check__ = True
+    asyncio.open_connection = guarded_open_connection
+
+
+PATCHES["dial_check"] = (_patch_dial_check, (
+    "mitmproxy.proxy.server:ConnectionHandler.open_connection",
+))

@@ -135,7 +135,7 @@ def test_every_place_a_request_names_a_host_must_name_the_tunnels(host_header, s
 
 def test_the_dial_guard_is_installed_when_the_gate_loads(monkeypatch):
     installed = []
-    monkeypatch.setattr(gate.dial_guard, "install", lambda check: installed.append(check))
+    monkeypatch.setattr(gate.mitm_patches, "set_dial_check", lambda check: installed.append(check))
 
     class Source:
         def on_reload(self, callback):

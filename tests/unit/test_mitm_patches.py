@@ -4,6 +4,7 @@ network: events in, commands out)."""
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import importlib
 import importlib.metadata
@@ -35,6 +36,7 @@ RECORDED = {
     "mitmproxy.proxy.layers.http._http1:Http1Connection.wait": "c99d0494a840a2b6",
     "mitmproxy.proxy.layers.http:HttpStream.state_wait_for_request_headers": "3706d5d5ce01dcd4",
     "mitmproxy.proxy.server:ConnectionHandler.wakeup": "6e42e075ee5fa3df",
+    "mitmproxy.proxy.server:ConnectionHandler.open_connection": "5e0b3cbaf7a4030a",
     "mitmproxy.proxy.server:ConnectionHandler.handle_connection": "95c3f93e9824e527",
     "mitmproxy.proxy.server:ConnectionHandler.server_event": "a2b42657ebe8bf6d",
     "mitmproxy.proxy.layers.modes:Socks5Proxy.socks_err": "25dc8e9d3b91ec95",
@@ -270,3 +272,62 @@ def test_pipelined_flood_while_a_response_is_pending_closes(guard):
     assert guard.refused == ["pipelined"] and closed(cmds) and sent(cmds) == b""
     errors = [c.event for c in cmds if isinstance(c, ReceiveHttp) and isinstance(c.event, RequestProtocolError)]
     assert [e.stream_id for e in errors] == [stream]
+
+
+# ---- dial_check: only what the gate approved is dialled ------------------------
+
+
+def _client() -> connection.Client:
+    return connection.Client(peername=("127.0.0.1", 40000), sockname=("127.0.0.1", 8080), timestamp_start=0)
+
+
+async def _dial_as(client, host, port):
+    """Dial the way a mitmproxy handler's task does, with the client set."""
+    token = mitm_patches._dialling_for.set(client)
+    try:
+        reader, writer = await asyncio.open_connection(host, port)
+        writer.close()
+    finally:
+        mitm_patches._dialling_for.reset(token)
+
+
+def test_dial_check_refuses_before_connecting_and_admits_what_it_approves():
+    mitm_patches.install()
+    accepted = []
+
+    async def scenario():
+        server = await asyncio.start_server(lambda r, w: (accepted.append(1), w.close()), "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        me, other = _client(), _client()
+        asked = []
+
+        def check(client, host, port_):
+            asked.append((client, host, port_))
+            return client is me and host == "127.0.0.1"
+
+        mitm_patches.set_dial_check(check)
+        try:
+            with pytest.raises(mitm_patches.DialRefused):
+                await _dial_as(other, "127.0.0.1", port)
+            with pytest.raises(mitm_patches.DialRefused):
+                await _dial_as(me, "localhost", port)  # a name: never resolved, never dialled
+            await asyncio.sleep(0.05)
+            assert accepted == []
+            await _dial_as(me, "127.0.0.1", port)
+            await asyncio.sleep(0.05)
+            assert accepted == [1]
+            # Outside a handler's dial (no client set), asyncio is untouched.
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.close()
+            assert [a[1] for a in asked] == ["127.0.0.1", "localhost", "127.0.0.1"]
+            mitm_patches.set_dial_check(None)
+            with pytest.raises(mitm_patches.DialRefused):  # no check: fail closed
+                await _dial_as(me, "127.0.0.1", port)
+        finally:
+            mitm_patches.set_dial_check(None)
+            server.close()
+
+    asyncio.run(scenario())
+
+    # (That mitmproxy's handler sets its client around the real dial is shown
+    # end to end in tests/integration/test_front_door.py, dial check tests.)
