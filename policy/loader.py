@@ -20,7 +20,9 @@ from typing import Any, Callable
 
 import yaml
 
-from policy.matchers import AddressSet, HostMatcher, PatternError, parse_host_pattern
+from policy.hosts import INTERNAL_SUFFIXES, internal_name
+from policy.matchers import AddressSet, HostMatcher, PatternError, parse_cidr, parse_host_pattern
+from policy.ranges import IPV4_NON_PUBLIC, IPV6_NON_PUBLIC, NonPublicRange
 from policy.model import (
     STANDARD_METHODS,
     ClientProfile,
@@ -210,6 +212,10 @@ class _Reader:
         self.problems: list[Problem] = []
         self.read_secret = read_secret
         self._constructor = yaml.SafeLoader("")
+        # Top-level entries that match nothing at the top level, with the test
+        # that a profile inheriting them (key: "allow" or "deny") makes them match.
+        self._never_at_top: list[tuple[yaml.Node, str, Callable[[Rules], bool], str]] = []
+        self.inherits: dict[str, set[str]] = {"allow": set(), "deny": set()}  # key -> profiles inheriting it
 
     def problem(self, node: yaml.Node | None, message: str) -> None:
         line, col = (node.start_mark.line + 1, node.start_mark.column + 1) if node is not None else (1, 1)
@@ -378,7 +384,7 @@ class _Reader:
             self.problem(node, "dns.min_ttl is greater than dns.max_ttl")
         return settings
 
-    def rules(self, keys: dict[str, tuple[yaml.Node, yaml.Node]], base: Rules) -> Rules:
+    def rules(self, keys: dict[str, tuple[yaml.Node, yaml.Node]], base: Rules, top_level: bool = True) -> Rules:
         changes: dict[str, Any] = {}
         for key, (key_node, value_node) in keys.items():
             if key == "action":
@@ -401,6 +407,7 @@ class _Reader:
                 changes[key] = self.headers(value_node)
         rules = replace(base, **changes)
         self._shadowed(rules, keys)
+        self._never_match(rules, keys, top_level)
         return rules
 
     def _shadowed(self, rules: Rules, keys: dict[str, tuple[yaml.Node, yaml.Node]]) -> None:
@@ -422,10 +429,72 @@ class _Reader:
             if covers:
                 self.problem(item, f"allow entry {_q(text)} can never match: the deny rule {_q(deny.text)} ({deny.origin}) always wins")
 
+    def _never_match(self, rules: Rules, keys: dict[str, tuple[yaml.Node, yaml.Node]], top_level: bool) -> None:
+        """Entries that can only match what Sluice refuses anyway are errors,
+        not silent no-ops: a wildcard that covers internal names only (allow or
+        deny), an exact internal name under deny, and an allow IP/CIDR whose
+        every address is non-public and not opened by `private_networks`."""
+        for what in ("allow", "deny"):
+            node = keys[what][1] if what in keys else None
+            if not isinstance(node, yaml.SequenceNode):
+                continue
+            for item in node.value:
+                text = self.scalar(item)
+                try:
+                    kind, key = parse_host_pattern(text)
+                except PatternError:
+                    continue  # reported by patterns()
+                if kind in ("subdomains", "apex_and_subdomains"):
+                    suffix = _internal_suffix(key)
+                    if suffix is None:
+                        continue
+                    if what == "allow":
+                        self.problem(item, f"allow entry {_q(text)} can never match: every name it covers is an internal "
+                                           f"name (*.{suffix}), which Sluice refuses before any rule is read; only an exact "
+                                           f"entry makes an internal name reachable (e.g. {_q('wiki.' + suffix)}), never a wildcard")
+                        continue
+                    # It still denies an internal name that an allow list names exactly.
+                    can_match = lambda r, key=key: r.allow is not None and any(  # noqa: E731
+                        name == key or name.endswith("." + key) for name in r.allow.exact)
+                    message = (f"deny entry {_q(text)} can never match: every name it covers is an internal name "
+                               f"(*.{suffix}), which Sluice refuses before any rule is read; remove it")
+                elif kind == "exact" and what == "deny":
+                    why = internal_name(key)
+                    if not why:
+                        continue
+                    can_match = lambda r, key=key: r.allow is not None and key in r.allow.exact  # noqa: E731
+                    message = (f"deny entry {_q(text)} can never match: {key} is {why}, which Sluice refuses anyway "
+                               "(only an exact `allow` entry makes it reachable); remove it")
+                elif kind == "cidr" and what == "allow":
+                    blocked = _wholly_non_public(key)
+                    if blocked is None:
+                        continue
+                    can_match = lambda r, key=key: _opens_any(r.private_networks, key)  # noqa: E731
+                    message = (f"allow entry {_q(text)} can never match: every address in it is non-public "
+                               f"({blocked.cidr} is {blocked.name}) and no `private_networks` entry opens any of it, so "
+                               "Sluice refuses every address it covers; to reach one, list it in `private_networks`")
+                else:
+                    continue
+                if can_match(rules):
+                    continue
+                if top_level:  # a profile that inherits this list may still make it match
+                    self._never_at_top.append((item, what, can_match, message))
+                else:
+                    self.problem(item, message)
+
+    def never_match_at_top(self, clients: tuple[ClientProfile, ...]) -> None:
+        """Report the top-level entries found to match nothing, unless a profile
+        that inherits them (allow or deny) makes them match."""
+        for item, what, can_match, message in self._never_at_top:
+            if not any(can_match(p.rules) for p in clients if p.name in self.inherits[what]):
+                self.problem(item, message)
+        self._never_at_top = []
+
     def profiles(self, node: yaml.Node, top: Rules) -> tuple[ClientProfile, ...]:
         out = []
         names: dict[str, int] = {}
         users_seen: dict[str, str] = {}
+        sources_seen: dict[tuple[int, int, int], tuple[str, int]] = {}
         for item in self.sequence(node, "clients"):
             keys = self.mapping(item, PROFILE_KEYS, "a client profile")
             name = self.scalar(keys["name"][1]) if "name" in keys else None
@@ -440,24 +509,50 @@ class _Reader:
             if "users" in keys:
                 for user, (user_node, spec_node) in self._users(keys["users"][1]).items():
                     if user in users_seen:
-                        self.problem(user_node, f"user {_q(user)} is already in profile {_q(users_seen[user])}")
+                        self.problem(user_node, f"user {_q(user)} is already in profile {_q(users_seen[user])}: a username "
+                                                "selects exactly one profile, so this entry could never be used")
                         continue
                     users_seen[user] = name
                     verifier = self._verifier(user, spec_node)
                     if verifier:
                         credentials.append((user, verifier))
             sources = self.private_networks(keys["sources"][1], "sources") if "sources" in keys else AddressSet()
+            if "sources" in keys:
+                self._same_sources(keys["sources"][1], name, sources_seen)
+            for inherited in ("allow", "deny"):
+                if inherited not in keys:
+                    self.inherits[inherited].add(name)
             if "users" not in keys and "sources" not in keys:
                 self.problem(item, f"client profile {_q(name)} matches nobody: give it `users` or `sources`")
             if "limits" in keys:
                 self._global_limits(keys["limits"][1], name)
             rule_keys = {k: v for k, v in keys.items() if k in RULE_KEYS}
             out.append(ClientProfile(
-                name=name, rules=self.rules(rule_keys, top),
+                name=name, rules=self.rules(rule_keys, top, top_level=False),
                 usernames=frozenset(u for u, _ in credentials), credentials=tuple(credentials),
                 sources=sources, origin=self.origin(item),
             ))
         return tuple(out)
+
+    def _same_sources(self, node: yaml.Node, profile: str, seen: dict[tuple[int, int, int], tuple[str, int]]) -> None:
+        """A source network already given to another profile: ties go to the
+        first profile, so the second could never be matched from there."""
+        if not isinstance(node, yaml.SequenceNode):
+            return
+        for item in node.value:
+            value = self.scalar(item)
+            if not isinstance(value, str):
+                continue
+            try:
+                entry = AddressSet.entry(_split_cidr_port(value)[0])
+            except PatternError:
+                continue  # reported by private_networks()
+            key = (entry.version, entry.prefixlen, entry.network)
+            first = seen.setdefault(key, (profile, item.start_mark.line + 1))
+            if first[0] != profile:
+                self.problem(item, f"sources entry {_q(value)} is also in client profile {_q(first[0])} (line {first[1]}): "
+                                   f"a client from there always matches {_q(first[0])}, the first profile, so this entry "
+                                   "never matches; give each network to one profile")
 
     def _global_limits(self, node: yaml.Node, profile: str) -> None:
         if not isinstance(node, yaml.MappingNode):
@@ -532,6 +627,45 @@ def _covers(deny: HostMatcher, kind: str, key: str) -> bool:
         if i > 0 and suffix in deny.subdomains:
             return True
         if i == 0 and kind == "subdomains" and suffix in deny.subdomains:
+            return True
+    return False
+
+
+def _internal_suffix(name: str) -> str | None:
+    """The internal suffix (`local`, `internal`, ...) that `name` is or ends
+    in, if any: then every subdomain of `name` is an internal name."""
+    labels = name.split(".")
+    for i in range(len(labels)):
+        suffix = ".".join(labels[i:])
+        if suffix in INTERNAL_SUFFIXES:
+            return suffix
+    return None
+
+
+def _wholly_non_public(cidr: str) -> NonPublicRange | None:
+    """The first non-public range of a CIDR none of whose addresses is public
+    (the ranges may chain), or None if any address in it is public."""
+    net = parse_cidr(cidr)
+    start, first_range = net.first, None
+    while start <= net.last:
+        holding = [r for r in (IPV4_NON_PUBLIC if net.version == 4 else IPV6_NON_PUBLIC) if r.first <= start <= r.last]
+        if not holding:
+            return None
+        first_range = first_range or holding[0]
+        start = max(r.last for r in holding) + 1
+    return first_range
+
+
+def _opens_any(opened: AddressSet, cidr: str) -> bool:
+    """Whether a private_networks entry opens any address of this CIDR."""
+    net = parse_cidr(cidr)
+    bits = 32 if net.version == 4 else 128
+    for e in opened.entries:
+        if e.version != net.version:
+            continue
+        first = e.network << (bits - e.prefixlen)
+        last = first + (1 << (bits - e.prefixlen)) - 1
+        if first <= net.last and net.first <= last:
             return True
     return False
 
@@ -673,6 +807,7 @@ def _load_policy_text(text: str, file: str, read_secret: Callable[[str], str] | 
     top = reader.rules(rule_keys, Rules())
     dns = reader.dns(keys["dns"][1]) if "dns" in keys else DnsSettings()
     clients = reader.profiles(keys["clients"][1], top) if "clients" in keys else ()
+    reader.never_match_at_top(clients)
     require_client = False
     if "require_client" in keys:
         value = reader.scalar(keys["require_client"][1])

@@ -52,7 +52,7 @@ def test_a_full_policy_loads_with_every_key():
     text = """\
 version: 1
 action: report
-allow: ["**.example.com", pypi.org, "203.0.113.0/24", "2001:db8::/32"]
+allow: ["**.example.com", pypi.org, "8.8.4.0/24", "2606:4700::/32"]
 deny: [bad.example.com]
 ports: [443, 8443]
 methods: [get, HEAD]
@@ -320,7 +320,8 @@ clients:
   - name: b
     users: {{bot: {{password_hash: "{GOOD_HASH}"}}}}
 """
-    assert one(text) == (6, 13, "user 'bot' is already in profile 'a'")
+    assert one(text) == (6, 13, "user 'bot' is already in profile 'a': a username selects exactly one profile, "
+                                "so this entry could never be used")
 
 
 @pytest.mark.parametrize(
@@ -483,3 +484,143 @@ def test_a_missing_file(tmp_path):
         load_policy_file(tmp_path / "nope.yaml")
     (problem,) = info.value.problems
     assert problem.line == 1 and "cannot read the policy: No such file or directory" in problem.message
+
+
+# ---- rules that can never match are errors (issue 10, item 2) ----------------------------
+
+
+@pytest.mark.parametrize(
+    ("key", "pattern", "suffix"),
+    [
+        ("allow", '"*.internal"', "internal"),
+        ("allow", '"**.localhost"', "localhost"),
+        ("allow", '"*.local"', "local"),
+        ("allow", '"*.svc.cluster.local"', "cluster.local"),
+        ("allow", '"**.corp"', "corp"),
+        ("allow", '"*.home.arpa"', "home.arpa"),
+        ("deny", '"*.internal"', "internal"),
+        ("deny", '"**.onion"', "onion"),
+        ("deny", '"*.a.b.test"', "test"),
+    ],
+)
+def test_a_wildcard_over_internal_names_only_is_an_error(key, pattern, suffix):
+    line, col, message = one(f"version: 1\n{key}:\n  - example.org\n  - {pattern}\n")
+    assert (line, col) == (4, 5)
+    assert message.startswith(f"{key} entry {pattern.strip(chr(34))!r} can never match: every name it covers is an internal name (*.{suffix})")
+    if key == "allow":
+        assert "only an exact entry makes an internal name reachable" in message
+    else:
+        assert message.endswith("remove it")
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        'version: 1\nallow: ["*", searxng, wiki.internal, metadata]\n',  # exact internal names under allow: reachable by design
+        'version: 1\nallow: ["**.com", "*.internal.example.com", "**.metadata", "*.kubernetes.default"]\n',  # public names too
+        'version: 1\ndeny: ["*.example.local.com", "**.localhost.example"]\n',
+        # deny still bites an internal name that allow lists exactly
+        'version: 1\nallow: [wiki.internal, searxng]\ndeny: ["*.internal.example"]\nclients:\n'
+        '  - name: a\n    sources: [10.0.0.0/8]\n    deny: ["*.internal", searxng]\n',
+    ],
+)
+def test_patterns_that_can_still_match_load(text):
+    load_policy_text(text, "p.yaml")
+
+
+@pytest.mark.parametrize(("name", "why"), [("localhost", "a reserved internal name"), ("redis", "a single-label name"),
+                                           ("db.svc", "an internal name (*.svc)")])
+def test_an_exact_internal_name_under_deny_alone_is_an_error(name, why):
+    line, col, message = one(f"version: 1\ndeny: [example.org, {name}]\n")
+    assert (line, col) == (2, 21)
+    assert message.startswith(f"deny entry {name!r} can never match: {name} is {why}")
+
+
+def test_a_top_level_deny_of_internal_names_counts_when_a_profile_allows_one_exactly():
+    text = ('version: 1\ndeny: ["*.internal", searxng]\nclients:\n  - name: a\n    sources: [10.0.0.0/8]\n'
+            '    allow: ["*", wiki.internal, searxng]\n')
+    # Profile a inherits the deny list, which then denies both: the deny entries
+    # do match there (the profile's allow entries are the dead ones).
+    found = problems(text)
+    assert [(line, col) for line, col, _ in found] == [(6, 18), (6, 33)]
+    assert all("the deny rule" in message for _, _, message in found)
+    own_deny = text + "    deny: [evil.example]\n"  # its own deny list: it inherits none
+    found = problems(own_deny)
+    assert [(line, col) for line, col, _ in found] == [(2, 8), (2, 22)]
+    assert all("can never match: " in message and "which Sluice refuses" in message for _, _, message in found)
+
+
+def test_internal_wildcards_are_checked_in_profiles():
+    text = 'version: 1\nclients:\n  - name: a\n    sources: [10.0.0.0/8]\n    allow: ["**.lan"]\n'
+    line, col, message = one(text)
+    assert (line, col) == (5, 13) and "allow entry '**.lan' can never match" in message
+
+
+@pytest.mark.parametrize(
+    ("cidr", "named"),
+    [
+        ("10.0.0.0/8", "10.0.0.0/8 is private-use"),
+        ("10.1.2.3", "10.0.0.0/8 is private-use"),
+        ("169.254.169.254", "169.254.169.254/32 is link-local (cloud metadata)"),
+        ("127.0.0.0/8", "127.0.0.0/8 is loopback"),
+        ("203.0.113.0/24", "203.0.113.0/24 is documentation (TEST-NET-3)"),
+        ("198.18.0.0/15", "198.18.0.0/15 is benchmarking"),
+        ("fd00::/8", "fc00::/7 is unique local"),
+        ("2001:db8::/32", "2001:db8::/32 is documentation"),
+        ("::ffff:0:0/96", "::ffff:0.0.0.0/96 is IPv4-mapped"),
+    ],
+)
+def test_an_allow_cidr_that_is_wholly_non_public_is_an_error(cidr, named):
+    line, col, message = one(f'version: 1\nallow: [example.org, "{cidr}"]\n')
+    assert (line, col) == (2, 22)
+    assert message.startswith(f"allow entry {cidr!r} can never match: every address in it is non-public ({named}")
+    assert "no `private_networks` entry opens any of it" in message
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        'version: 1\nallow: ["8.8.8.0/24", "0.0.0.0/0", "::/0", "100.0.0.0/8", "2606:4700::/32"]\n',  # some address is public
+        'version: 1\nallow: ["10.0.0.0/8"]\nprivate_networks: ["10.0.0.5/32:8080"]\n',  # partly opened
+        'version: 1\nallow: ["10.0.0.5"]\nprivate_networks: ["10.0.0.0/24"]\n',
+        'version: 1\ndeny: ["10.0.0.0/8", "169.254.169.254"]\n',  # deny CIDRs are belt and braces, not errors
+        # a profile that inherits the top-level allow list opens it
+        'version: 1\nallow: ["10.9.0.0/16"]\nclients:\n  - name: a\n    sources: [10.20.0.0/16]\n    private_networks: ["10.9.1.0/24"]\n',
+    ],
+)
+def test_allow_cidrs_that_can_match_load(text):
+    load_policy_text(text, "p.yaml")
+
+
+def test_a_top_level_allow_cidr_opened_only_by_a_profile_with_its_own_allow_is_an_error():
+    text = ('version: 1\nallow: ["10.9.0.0/16"]\nclients:\n  - name: a\n    sources: [10.20.0.0/16]\n'
+            '    allow: ["*"]\n    private_networks: ["10.9.1.0/24"]\n')
+    line, col, message = one(text)
+    assert (line, col) == (2, 9) and "allow entry '10.9.0.0/16' can never match" in message
+
+
+def test_a_profile_allow_cidr_is_checked_against_its_own_private_networks():
+    ok = 'version: 1\nclients:\n  - name: a\n    sources: [10.20.0.0/16]\n    allow: ["10.9.0.0/16"]\n    private_networks: ["10.9.0.0/16"]\n'
+    load_policy_text(ok, "p.yaml")
+    bad = 'version: 1\nprivate_networks: ["10.8.0.0/16"]\nclients:\n  - name: a\n    sources: [10.20.0.0/16]\n    allow: ["10.9.0.0/16"]\n'
+    line, col, message = one(bad)
+    assert (line, col) == (6, 13) and "allow entry '10.9.0.0/16' can never match" in message
+
+
+def test_two_profiles_with_the_same_source_network_is_an_error():
+    text = """\
+version: 1
+clients:
+  - name: ci
+    sources: [10.20.0.0/16, "fd00:20::/64"]
+  - name: builders
+    sources: [10.30.0.0/16, "fd00:20:0:0::/64"]
+"""
+    line, col, message = one(text)
+    assert (line, col) == (6, 29)
+    assert message == ("sources entry 'fd00:20:0:0::/64' is also in client profile 'ci' (line 4): a client from there always "
+                       "matches 'ci', the first profile, so this entry never matches; give each network to one profile")
+
+
+def test_nested_source_networks_are_fine_the_most_specific_wins():
+    load_policy_text("version: 1\nclients:\n  - name: a\n    sources: [10.0.0.0/8]\n  - name: b\n    sources: [10.20.0.0/16]\n", "p.yaml")
