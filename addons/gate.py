@@ -43,10 +43,10 @@ from mitmproxy.proxy.layers.http import HTTPMode
 from mitmproxy.proxy.server_hooks import ServerConnectionHookData
 
 from addons import connections, mitm_patches
-from addons.audit import AuditLog, peer
+from addons.audit import AuditLog, peer, quote_client
 from addons.failsafe import fail_closed
 from addons.caps import Caps
-from addons.identity import PROXY_AUTHORIZATION, ClientIdentifier
+from addons.identity import PROXY_AUTHORIZATION, ClientIdentifier, parse_basic
 from addons.policy_source import LivePolicy, PolicySource
 from addons.refusals import refusal_response
 from addons.resolver import decide
@@ -121,6 +121,7 @@ class EgressGate:
             # and repoint the tunnel's server: a tunnel names one host only.
             refusal = Refusal(Reason.HOST_MISMATCH, f"a CONNECT inside the tunnel to {tunnel.host} is not allowed; open a new tunnel from the proxy")
             flow.metadata[META] = Verdict(tunnel.host, tunnel.port, Decision(False, None, refusal, port=tunnel.port), tunnel.profile, None)
+            _inside(flow, tunnel)
             flow.response = refusal_response(refusal)
             return
         await self._gate_http(flow, connect=True)
@@ -145,6 +146,9 @@ class EgressGate:
         verdict = Verdict(request.host, request.port, decision, client.profile,
                           client.rules if client.refusal is None else None, intercept=intercept)
         flow.metadata[META] = verdict
+        verdict.user = _user(live.policy, authorization)
+        if connect:
+            verdict.connect_id = flow.id  # its tunnel's line, and the requests inside, carry it
         if not decision.allowed:
             flow.response = refusal_response(decision.refusal)
             return
@@ -179,6 +183,7 @@ class EgressGate:
             dest = Destination(tunnel.host, tunnel.port, request.scheme, request.method)
             decision = await decide(rules, dest, live.resolver)
         flow.metadata[META] = Verdict(tunnel.host, tunnel.port, decision, tunnel.profile, rules)
+        _inside(flow, tunnel)
         if not decision.allowed:
             flow.response = refusal_response(decision.refusal)
             return
@@ -361,6 +366,21 @@ class EgressGate:
                 if refusal is not None:
                     self.caps.cut_tunnel(tunnel.client, tunnel, Refusal(
                         Reason.TUNNEL_REVOKED, f"the reloaded policy refuses this tunnel ({refusal.reason.value}: {refusal.detail})"))
+
+
+def _user(policy: Policy, authorization: str | None) -> str | None:
+    """The proxy username a request authenticated (or was refused) as, for
+    the audit log: only when the policy checks credentials (it has users)."""
+    if not authorization or not any(profile.credentials for profile in policy.clients):
+        return None
+    credentials = parse_basic(authorization)
+    return quote_client(credentials[0], 64) if credentials else None
+
+
+def _inside(flow: http.HTTPFlow, tunnel: Verdict) -> None:
+    """A request inside a tunnel is its tunnel's client: same user, same CONNECT."""
+    verdict = verdict_of(flow)
+    verdict.user, verdict.connect_id = tunnel.user, tunnel.connect_id
 
 
 def _intercepts(rules: Rules, host_text: str) -> bool:

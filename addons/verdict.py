@@ -32,6 +32,8 @@ class Verdict:
     logged: bool = False
     requests: int = 0  # requests seen inside an intercepted tunnel
     client: object = None  # a tunnel's client connection, for cutting it on reload
+    user: str | None = None  # the proxy username the client authenticated (or was refused) as
+    connect_id: str | None = None  # the id of the CONNECT that opened the tunnel this belongs to
 
     @property
     def limits(self) -> Limits:

@@ -1,13 +1,86 @@
-"""The `sluice` command. Every user error is a one-line message and exit 2, never a traceback."""
+"""The `sluice` command. Every user error is a one-line message and exit 2, never a traceback.
+
+Every subcommand that reads a policy takes it as `--policy FILE` (`policy
+check` and `policy test` also take it as their first argument, as before).
+Output cut short by its reader (`sluice ca | head`) ends the command quietly
+with status 141, as a command killed by SIGPIPE would, never a traceback.
+"""
 
 from __future__ import annotations
 
 import argparse
+import errno
+import os
+import platform
+import socket
 import sys
+
+EXIT_USAGE = 2
+EXIT_BROKEN_PIPE = 128 + 13  # what a shell reports for a command killed by SIGPIPE
+
+
+def version_text() -> str:
+    from importlib import metadata
+
+    def of(name: str) -> str:
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            return "unknown"
+
+    return f"sluice {of('sluice')} (mitmproxy {of('mitmproxy')}, Python {platform.python_version()})"
+
+
+class _Version(argparse.Action):
+    def __init__(self, option_strings, dest, **kwargs):
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS,
+                         help="print the version (and mitmproxy's and Python's) and exit")
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(version_text())
+        parser.exit()
+
+
+def listen_problem(host: str, port: int, protocol: str = "tcp", reuse_port: bool = False,
+                   hint: str = "choose another address with --listen HOST:PORT") -> str | None:
+    """Why the proxy could not listen on host:port (a sentence ending in `hint`), or None.
+
+    Binds (and closes) a socket the way asyncio's start_server does, so a
+    port already in use is reported before mitmproxy tries it."""
+    shown = f"[{host}]:{port}" if ":" in host else f"{host or '*'}:{port}"
+    kind = socket.SOCK_STREAM if protocol == "tcp" else socket.SOCK_DGRAM
+    sockets = []
+    try:
+        try:
+            infos = socket.getaddrinfo(host or None, port, socket.AF_UNSPEC, kind, 0, socket.AI_PASSIVE)
+        except socket.gaierror as e:
+            return f"cannot listen on {shown}: {e.strerror}; {hint}"
+        for family, type_, proto, _, address in infos:
+            s = socket.socket(family, type_, proto)
+            sockets.append(s)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if reuse_port and hasattr(socket, "SO_REUSEPORT"):
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            if family == socket.AF_INET6:
+                s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            s.bind(address)
+    except OSError as e:
+        if e.errno == errno.EADDRINUSE:
+            return f"{shown} is already in use ({protocol.upper()}: another process is listening there); {hint}"
+        if e.errno == errno.EACCES:
+            return f"cannot listen on {shown}: permission denied (ports below 1024 need privileges); {hint}"
+        if e.errno == errno.EADDRNOTAVAIL:
+            return f"cannot listen on {shown}: {e.strerror} (not an address of this machine); {hint}"
+        return f"cannot listen on {shown}: {e.strerror or e}; {hint}"
+    finally:
+        for s in sockets:
+            s.close()
+    return None
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="sluice", description="Egress-policy forward proxy for AI agents and sandboxes.")
+    p.add_argument("--version", action=_Version)
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     proxy = sub.add_parser("proxy", help="run the proxy in the foreground")
@@ -33,8 +106,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     psub = policy.add_subparsers(dest="policy_command", required=True, metavar="SUBCOMMAND")
     check = psub.add_parser("check", help="validate a policy and summarise what it allows",
-                            description="Print every problem as FILE:LINE:COL: message (exit 1), or a summary (exit 0).")
-    check.add_argument("file")
+                            description="Print every problem as FILE:LINE:COL: message (exit 1), or a summary (exit 0). "
+                                        "Warnings (FILE:LINE:COL: warning: ...) name rules the proxy cannot enforce "
+                                        "as written, e.g. methods for HTTPS hosts that are not intercepted.")
+    check.add_argument("--strict", action="store_true", help="fail (exit 1) on warnings too")
+    check.add_argument("--policy", metavar="FILE", help="policy YAML (or give it as FILE)")
+    check.add_argument("file", nargs="?", metavar="FILE", help="policy YAML, the same as --policy FILE")
+    check.set_defaults(subparser=check)
 
     explain = psub.add_parser(
         "explain", help="show what the policy decides for one URL, as JSON",
@@ -58,8 +136,10 @@ def _parser() -> argparse.ArgumentParser:
                     "list under `resolve` is unresolvable (dns_failed). Prints one line per failure and "
                     "'N passed, M failed'; exit 0 if all pass, 1 otherwise.",
     )
-    test.add_argument("file", metavar="FILE", help="policy YAML")
-    test.add_argument("cases", metavar="CASES", help="cases YAML")
+    test.usage = "sluice policy test [-h] [-v] --policy FILE CASES\n       sluice policy test [-h] [-v] FILE CASES"
+    test.add_argument("--policy", metavar="FILE", help="policy YAML (or give it as the first argument)")
+    test.add_argument("paths", nargs="+", metavar="PATH", help="CASES after --policy FILE, or FILE CASES")
+    test.set_defaults(subparser=test)
     test.add_argument("-v", "--verbose", action="store_true", help="also print a line for every passing case")
 
     psub.add_parser(
@@ -70,8 +150,53 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _policy_paths(args) -> None:
+    """`--policy FILE` or the positional FILE (given once) into args.file,
+    and the cases file into args.cases; usage errors exit 2."""
+    command = getattr(args, "policy_command", None)
+    if command == "check":
+        given = [path for path in (args.policy, args.file) if path is not None]
+        if len(given) != 1:
+            args.subparser.error("give the policy once: --policy FILE (or FILE)" if given else
+                                 "the policy is missing: sluice policy check --policy FILE")
+        args.file = args.policy = given[0]
+    elif command == "test":
+        if args.policy is not None:
+            if len(args.paths) != 1:
+                args.subparser.error("with --policy FILE give only the cases file: sluice policy test --policy FILE CASES")
+            args.file, args.cases = args.policy, args.paths[0]
+        else:
+            if len(args.paths) != 2:
+                args.subparser.error("expected a policy and a cases file: sluice policy test --policy FILE CASES")
+            args.file, args.cases = args.paths
+            args.policy = args.file
+
+
+def _quiet_stdio() -> None:
+    """After a broken pipe: point stdout and stderr at /dev/null, so what is
+    still buffered (and the interpreter's final flush) goes nowhere quietly."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            os.dup2(devnull, stream.fileno())
+        except (OSError, ValueError, AttributeError):
+            pass
+    os.close(devnull)
+
+
 def main(argv: list[str] | None = None) -> int:
+    try:
+        code = _main(argv)
+        sys.stdout.flush()  # inside the try: a reader gone by now is a broken pipe too
+        return code
+    except BrokenPipeError:
+        _quiet_stdio()
+        return EXIT_BROKEN_PIPE
+
+
+def _main(argv: list[str] | None) -> int:
     args = _parser().parse_args(argv)
+    _policy_paths(args)
     if args.command == "proxy" and args.workers != 1:
         from sluice.listen import parse_listen
         from sluice.workers import supervise
@@ -80,11 +205,16 @@ def main(argv: list[str] | None = None) -> int:
             print("sluice: --workers takes a number from 1 to 64", file=sys.stderr)
             return 2
         try:
-            if parse_listen(args.listen)[1] == 0:
+            host, port = parse_listen(args.listen)
+            if port == 0:
                 raise ValueError("--workers needs a fixed --listen port (workers share it)")
         except ValueError as e:
             print(f"sluice: {e}", file=sys.stderr)
             return 2
+        problem = listen_problem(host, port, reuse_port=True)
+        if problem is not None:
+            print(f"sluice: {problem}", file=sys.stderr)
+            return EXIT_USAGE
         worker_args = [a for a in (argv if argv is not None else sys.argv[1:])[1:]]
         return supervise(args.workers, _without_workers(worker_args))
     if args.command == "proxy":

@@ -12,10 +12,12 @@ from mitmproxy import ctx, exceptions, options
 from mitmproxy.addons import block, core, disable_h2c, errorcheck, next_layer, proxyserver, tlsconfig
 from mitmproxy.addons.termlog import TermLog
 from mitmproxy.master import Master
+from mitmproxy.proxy import mode_specs
 
 from addons import mitm_patches
 from addons.sluice_addon import make_addons
 from sluice.ca import ca_dir, ensure_ca
+from sluice.cli import EXIT_USAGE, listen_problem
 from sluice.listen import parse_listen
 from sluice.workers import REUSE_PORT_ENV, enable_reuse_port
 
@@ -42,8 +44,42 @@ def mitmproxy_addons() -> list:
         proxyserver.Proxyserver(),
         next_layer.NextLayer(),
         tlsconfig.TlsConfig(),
-        errorcheck.ErrorCheck(),
+        StartupErrors(),
     ]
+
+
+class StartupErrors(errorcheck.ErrorCheck):
+    """mitmproxy's start-up error check, exiting 2 like every other Sluice
+    start-up error (mitmproxy exits 1)."""
+
+    name = "errorcheck"  # mitmproxy's Master looks it up by this name
+
+    async def shutdown_if_errored(self):
+        try:
+            await super().shutdown_if_errored()
+        except SystemExit as e:
+            raise SystemExit(EXIT_USAGE if e.code == 1 else e.code) from None
+
+
+def listen_problems(opts: options.Options) -> list[str]:
+    """Each listener that could not be opened, as a sentence (checked before
+    mitmproxy opens them, so the message names the address and the flag)."""
+    problems = []
+    reuse_port = os.environ.get(REUSE_PORT_ENV) == "1"
+    for spec in opts.mode:
+        mode = mode_specs.ProxyMode.parse(spec)
+        host = mode.listen_host(opts.listen_host)
+        port = mode.listen_port(opts.listen_port)
+        if not port:  # no fixed port (0: any free one)
+            continue
+        protocols = ("tcp", "udp") if mode.transport_protocol == "both" else (mode.transport_protocol,)
+        hint = ("choose another address with --listen HOST:PORT" if mode.custom_listen_port is None else
+                f"choose another port in --mode {mode.type_name}@PORT")
+        for protocol in protocols:
+            problem = listen_problem(host, port, protocol, reuse_port, hint)
+            if problem is not None:
+                problems.append(problem)
+    return problems
 
 
 class ReadyLine:
@@ -75,6 +111,11 @@ async def _serve(policy: str, listen: tuple[str, int], modes: list[str], audit_l
         message = e.args[0] if isinstance(e, KeyError) and e.args else e
         print(f"sluice: {message}", file=sys.stderr)
         return 2
+    problems = listen_problems(opts)
+    if problems:
+        for problem in problems:
+            print(f"sluice: {problem}", file=sys.stderr)
+        return EXIT_USAGE
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, master.shutdown)
