@@ -8,7 +8,15 @@ Exit codes, for every subcommand:
     3  `explain` only: the request would be refused
 
 `explain` and `test` decide through the same `addons.resolver.decide()` the
-proxy's gate uses, so what they print is what the proxy would do.
+proxy's gate uses, so what they print is what the proxy would do. They judge
+a URL as the proxy meets it: an `http://` URL is one request, decided with its
+method; an `https://` URL is a CONNECT tunnel, decided by host, port and
+address (the method inside is never seen), unless the client's `intercept`
+names the host: then the CONNECT and the request inside are both decided.
+
+`check --strict` fails (exit 1) on warnings: rules the proxy cannot enforce
+as written, such as `methods` or `strip_request_headers` for HTTPS hosts that
+are not intercepted.
 """
 
 from __future__ import annotations
@@ -20,7 +28,7 @@ import json
 import re
 import socket
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import yaml
@@ -29,8 +37,18 @@ from addons.resolver import DnsFailure, PinnedResolver, Resolution, StaticResolv
 from policy.clients import match_client
 from policy.decide import Decision, Destination
 from policy.hosts import HostError, IPHost, internal_name, parse_host
-from policy.loader import PolicyInvalid, Problem, _scan, compose_checked, hash_password, load_policy_file, read_policy_bytes
-from policy.model import DnsSettings, Policy, Rules
+from policy.loader import (
+    PolicyInvalid,
+    Problem,
+    _covers,
+    _scan,
+    compose_checked,
+    hash_password,
+    read_policy_bytes,
+    read_policy_file,
+)
+from policy.matchers import HostMatcher, PatternError, parse_host_pattern
+from policy.model import STANDARD_METHODS, DnsSettings, Policy, Rules
 from policy.reasons import Reason
 from policy.urls import split_url
 
@@ -47,7 +65,7 @@ class UsageError(ValueError):
 def dispatch(args) -> int:
     command = args.policy_command
     if command == "check":
-        return check(args.file)
+        return check(args.file, strict=getattr(args, "strict", False))
     if command == "explain":
         return explain(args.policy, args.url, client=args.client, method=args.method, resolve=args.resolve)
     if command == "test":
@@ -64,8 +82,15 @@ def _usage(command: str, message: str) -> int:
 
 def _load(path: str) -> Policy | None:
     """The policy, or None after printing every problem as FILE:LINE:COL: message."""
+    loaded = _load_with_bytes(path)
+    return loaded[0] if loaded is not None else None
+
+
+def _load_with_bytes(path: str) -> tuple[Policy, bytes] | None:
+    """The policy and the bytes it was read from (one read), or None after
+    printing every problem as FILE:LINE:COL: message."""
     try:
-        return load_policy_file(path)
+        return read_policy_file(path)
     except PolicyInvalid as e:
         problems = e.problems
     except Exception as e:  # a loader bug must still not print a traceback at the user
@@ -112,6 +137,9 @@ def _rules_lines(rules: Rules, indent: str) -> list[str]:
     if rules.action == "report":
         out.append(f"{indent}report mode: host and method refusals are logged, not enforced")
     out.append(f"{indent}methods: {', '.join(sorted(rules.methods))}")
+    if rules.intercept:
+        what = "every host" if rules.intercept.everything else ", ".join(r.text for r in rules.intercept.rules)
+        out.append(f"{indent}intercepts TLS (methods and headers checked inside HTTPS) for: {what}")
     if rules.private_networks:
         out.append(f"{indent}private networks opened: {', '.join(e.rule.text for e in rules.private_networks.entries)}")
     else:
@@ -119,12 +147,119 @@ def _rules_lines(rules: Rules, indent: str) -> list[str]:
     return out
 
 
-def check(path: str) -> int:
-    policy = _load(path)
-    if policy is None:
+def check(path: str, *, strict: bool = False) -> int:
+    loaded = _load_with_bytes(path)
+    if loaded is None:
+        return EXIT_INVALID
+    policy, raw = loaded
+    warnings = policy_warnings(policy, compose_checked(raw.decode("utf-8"), path))
+    for warning in warnings:
+        print(warning, file=sys.stderr)
+    if warnings and strict:
+        print(f"{path}: {len(warnings)} warning(s); --strict makes them errors", file=sys.stderr)
         return EXIT_INVALID
     print("\n".join(summarise(policy)))
+    if warnings:
+        print(f"{path}: {len(warnings)} warning(s)", file=sys.stderr)
     return EXIT_OK
+
+
+# ---- warnings: what the policy says but the proxy cannot enforce -----------
+
+_SHOWN = 4  # allow entries named in a warning before "and N more"
+
+
+def policy_warnings(policy: Policy, root: yaml.Node) -> list[Problem]:
+    """Rules the proxy cannot enforce as written, as `FILE:LINE:COL: warning: ...`.
+
+    `methods` and `strip_request_headers` act only on requests the proxy
+    sees: plain http:// requests, and requests inside intercepted tunnels. An
+    https:// request to a host the client's `intercept` does not name is a
+    CONNECT tunnel, carried raw: its method and headers are never seen. So a
+    profile that restricts methods or strips headers, lets CONNECT through
+    (CONNECT in `methods`) and can reach hosts it does not intercept claims
+    more than the proxy enforces."""
+    top = _keys(root)
+    scopes: list[tuple[str | None, Rules, dict[str, tuple[yaml.Node, yaml.Node]]]] = [(None, policy.rules, top)]
+    profile_nodes: dict[str, dict[str, tuple[yaml.Node, yaml.Node]]] = {}
+    clients = top.get("clients", (None, None))[1]
+    if isinstance(clients, yaml.SequenceNode):
+        for item in clients.value:
+            keys = _keys(item)
+            name = keys.get("name", (None, None))[1]
+            if isinstance(name, yaml.ScalarNode):
+                profile_nodes.setdefault(name.value, keys)
+    for profile in policy.clients:
+        own = profile_nodes.get(profile.name, {})
+        if not own.keys() & {"action", "allow", "methods", "intercept", "strip_request_headers"}:
+            continue  # the top level's rules, warned about there
+        scopes.append((profile.name, profile.rules, own))
+
+    out: list[Problem] = []
+    for name, rules, own in scopes:
+        if "CONNECT" not in rules.methods:
+            continue  # tunnels to hosts not intercepted are refused (or, in report mode, logged as such)
+        unseen = _not_intercepted(rules)
+        if unseen is None:
+            continue
+        who = f"client profile {name!r}: " if name is not None else ""
+        refused = sorted(STANDARD_METHODS - rules.methods - {"CONNECT"})
+        if refused:
+            node = (own.get("methods") or top.get("methods") or (root, None))[0]
+            out.append(_warning(policy.source, node, (
+                f"{who}methods [{', '.join(sorted(rules.methods))}] cannot be enforced on https:// URLs to {unseen}: "
+                "such a request is a CONNECT tunnel whose method the proxy never sees (a "
+                f"{refused[0]} passes inside it). Intercept those hosts (`intercept:`; the client must then trust "
+                "`sluice ca`), or leave CONNECT out of `methods` to refuse those tunnels")))
+        if rules.strip_request_headers:
+            node = (own.get("strip_request_headers") or top.get("strip_request_headers") or (root, None))[0]
+            out.append(_warning(policy.source, node, (
+                f"{who}strip_request_headers [{', '.join(sorted(rules.strip_request_headers))}] cannot be applied on "
+                f"https:// URLs to {unseen}: such a request is a CONNECT tunnel whose headers the proxy never sees. "
+                "Intercept those hosts (`intercept:`; the client must then trust `sluice ca`), or leave CONNECT out of "
+                "`methods` to refuse those tunnels")))
+    return out
+
+
+def _keys(node: yaml.Node | None) -> dict[str, tuple[yaml.Node, yaml.Node]]:
+    if not isinstance(node, yaml.MappingNode):
+        return {}
+    return {k.value: (k, v) for k, v in node.value if isinstance(k, yaml.ScalarNode)}
+
+
+def _warning(file: str, node: yaml.Node, message: str) -> Problem:
+    return Problem(file, node.start_mark.line + 1, node.start_mark.column + 1, f"warning: {message}")
+
+
+def _not_intercepted(rules: Rules) -> str | None:
+    """The hosts this rule set reaches over HTTPS without intercepting them
+    (a phrase), or None when every one of them is intercepted."""
+    intercept = rules.intercept
+    if intercept.everything:
+        return None
+    if rules.allow is None or rules.allow.everything:
+        return "any public host not under `intercept`" if intercept else "any public host (nothing is under `intercept`)"
+    missing = [rule.text for rule in rules.allow.rules if not _intercepted_pattern(intercept, rule.text)]
+    if not missing:
+        return None
+    shown = ", ".join(missing[:_SHOWN])
+    more = f" and {len(missing) - _SHOWN} more allow entries" if len(missing) > _SHOWN else ""
+    return f"{shown}{more} (not under `intercept`)"
+
+
+def _intercepted_pattern(intercept: HostMatcher, text: str) -> bool:
+    """Whether `intercept` covers every host the allow pattern can name."""
+    try:
+        kind, key = parse_host_pattern(text)
+    except PatternError:
+        return False
+    if kind == "exact":
+        return intercept.match_name(key) is not None
+    if kind == "subdomains":
+        return _covers(intercept, kind, key)
+    if kind == "apex_and_subdomains":
+        return intercept.match_name(key) is not None and _covers(intercept, "subdomains", key)
+    return False  # an address entry is reached by names that resolve into it: only `*` intercepts them all
 
 
 # ---- URLs, --resolve, --method ---------------------------------------------
@@ -229,18 +364,87 @@ def find_profile(policy: Policy, name: str) -> Rules:
     raise UsageError(f"no client profile named {name!r}; {more}profiles: {', '.join(known)}")
 
 
-async def decide_for(policy: Policy, client: str | None, dest: Destination, resolver) -> tuple[Decision, str | None]:
+TUNNEL = "tunnel: the method is not visible"
+INTERCEPTED = "intercepted"
+
+
+@dataclass(frozen=True, slots=True)
+class Judgement:
+    """What the proxy would decide for a URL, and how it meets it."""
+
+    decision: Decision
+    profile: str | None
+    via: str  # "request" (plain HTTP), "tunnel" (a CONNECT carried raw) or "intercepted"
+    note: str  # one or two sentences saying what the proxy sees and decides
+    authority: str  # host:port as the proxy sees it
+    method: str  # the method the URL was asked with
+
+
+def _intercepted(rules: Rules, host: str) -> bool:
+    """The gate's own test (addons/gate.py) of whether a CONNECT to `host` is intercepted."""
+    from addons.gate import _intercepts  # imports mitmproxy: only when an https URL is judged
+
+    return _intercepts(rules, host)
+
+
+async def judge(policy: Policy, client: str | None, dest: Destination, resolver) -> Judgement:
     """The decision the gate would make for this client (a profile by name,
-    or an unmatched client when None) and destination."""
+    or an unmatched client when None) and URL, made as the gate meets it:
+
+    - an http:// URL is one request, decided with its method (gate: `_gate_http`);
+    - an https:// URL (or `--method CONNECT`) is first a CONNECT, decided
+      without a scheme. A host the client does not intercept: the CONNECT is
+      the whole decision (method "CONNECT", which `methods` must list), and
+      the tunnel is carried raw, its method and headers never seen. An
+      intercepted host: the CONNECT is decided without a method, then the
+      request inside with its method and scheme https (`_gate_inside_tunnel`).
+    Every decision is `addons.resolver.decide`, as in the gate."""
     if client is None:
         match = match_client(policy, None)  # matched no profile: top level, or 407 under require_client
-        if match.refusal is not None:
-            return Decision(False, None, match.refusal, port=dest.port), None
-        return await decide(match.rules, dest, resolver), match.profile
-    return await decide(find_profile(policy, client), dest, resolver), client
+        rules, profile, refusal = match.rules, match.profile, match.refusal
+    else:
+        rules, profile, refusal = find_profile(policy, client), client, None
+    method = dest.method or "GET"
+    scheme = (dest.scheme or "").lower()
+    shown_host = f"[{dest.host}]" if ":" in dest.host and not dest.host.startswith("[") else dest.host
+    authority = f"{shown_host}:{dest.port}"
+    refused = Decision(False, None, refusal, port=dest.port) if refusal is not None else None
+
+    if scheme != "https" and method != "CONNECT":
+        decision = refused or await decide(rules, dest, resolver)
+        note = f"request: the proxy sees this {method} request whole and decides it with its method"
+        return Judgement(decision, profile, "request", note, authority, method)
+
+    intercept = refusal is None and _intercepted(rules, dest.host)
+    # A CONNECT names host:port only: no scheme, no path, no user:password@.
+    connect = Destination(dest.host, dest.port, scheme=None, method=None if intercept else "CONNECT")
+    decision = refused or await decide(rules, connect, resolver)
+    unseen = (" The URL's user:password@ is not seen either: a client sends it inside the tunnel."
+              if dest.has_credentials else "")
+    if not intercept:
+        inside = "the requests inside" if method == "CONNECT" else f"the {method} inside"
+        note = (f"{TUNNEL}: the proxy sees only CONNECT {authority} (the host is not under `intercept`) and decides it "
+                f"by host, port and address; {inside}, its path and headers are never seen. Add the host to "
+                f"`intercept` to have them checked.{unseen}")
+        return Judgement(decision, profile, "tunnel", note, authority, method)
+    if not decision.allowed:
+        note = f"{INTERCEPTED}: CONNECT {authority} is refused, so no request reaches the tunnel."
+        return Judgement(decision, profile, "intercepted", note, authority, method)
+    if method == "CONNECT":
+        note = (f"{INTERCEPTED}: CONNECT {authority} is allowed without a method check; every request inside the "
+                "tunnel is then decided on its own, with its method.")
+        return Judgement(decision, profile, "intercepted", note, authority, method)
+    inner = await decide(rules, Destination(dest.host, dest.port, "https", method), resolver)
+    if inner.allowed:
+        # Requests inside stay on the address the tunnel was validated and pinned with.
+        inner = replace(inner, address=decision.address, addresses=decision.addresses)
+    note = (f"{INTERCEPTED}: CONNECT {authority} is allowed without a method check; Sluice terminates TLS (the client "
+            f"must trust its CA, `sluice ca`) and decides the {method} request inside on its own.{unseen}")
+    return Judgement(inner, profile, "intercepted", note, authority, method)
 
 
-def decision_json(decision: Decision, profile: str | None, dest: Destination) -> dict[str, Any]:
+def decision_json(judgement: Judgement, dest: Destination) -> dict[str, Any]:
+    decision, profile = judgement.decision, judgement.profile
     refusal = decision.refusal or decision.would_refuse
     if refusal is not None:
         rule = refusal.rule
@@ -265,6 +469,8 @@ def decision_json(decision: Decision, profile: str | None, dest: Destination) ->
         "status": decision.refusal.status if decision.refusal else None,
         "detail": refusal.detail if refusal else None,
         "message": decision.refusal.message if decision.refusal else None,
+        "via": judgement.via,
+        "note": judgement.note,
     }
 
 
@@ -287,9 +493,9 @@ def explain(policy_path: str, url: str, *, client: str | None = None, method: st
         except UsageError as e:
             return _usage("explain", str(e))
     resolver = StaticResolver(table) if resolve else LiveResolver(policy.dns)
-    decision, profile = asyncio.run(decide_for(policy, client, dest, resolver))
-    print(json.dumps(decision_json(decision, profile, dest), indent=2))
-    return EXIT_OK if decision.allowed else EXIT_REFUSED
+    judgement = asyncio.run(judge(policy, client, dest, resolver))
+    print(json.dumps(decision_json(judgement, dest), indent=2))
+    return EXIT_OK if judgement.decision.allowed else EXIT_REFUSED
 
 
 # ---- test ------------------------------------------------------------------
@@ -473,19 +679,35 @@ def load_cases(path: str, policy: Policy) -> list[Case]:
     return cases
 
 
-async def _run_cases(policy: Policy, cases: list[Case]) -> list[tuple[Case, Decision, str | None]]:
+async def _run_cases(policy: Policy, cases: list[Case]) -> list[tuple[Case, Judgement]]:
     out = []
     for case in cases:
         # Only the case's own table: a name it does not list is unresolvable
         # (dns_failed), and no case ever sends a DNS query.
-        decision, profile = await decide_for(policy, case.client, case.dest, StaticResolver(case.resolve))
-        out.append((case, decision, profile))
+        out.append((case, await judge(policy, case.client, case.dest, StaticResolver(case.resolve))))
     return out
 
 
-def _outcome(decision: Decision) -> str:
+def _outcome(judgement: Judgement) -> str:
+    decision = judgement.decision
     verdict = "allow" if decision.allowed else "refuse"
-    return f"{verdict} ({decision.reason.value})" if decision.reason else verdict
+    verdict = f"{verdict} ({decision.reason.value})" if decision.reason else verdict
+    via = {"tunnel": TUNNEL, "intercepted": INTERCEPTED}.get(judgement.via)
+    return f"{verdict} [{via}]" if via else verdict
+
+
+def _hint(case: Case, judgement: Judgement) -> str:
+    """Why a failing case fails when the cause is how the proxy meets the URL."""
+    method = case.dest.method or "GET"
+    wants_method_refusal = case.expect == "refuse" and (
+        case.reason == Reason.METHOD_NOT_ALLOWED.value or (case.reason is None and method not in ("GET", "CONNECT")))
+    if judgement.via == "tunnel" and wants_method_refusal:
+        return (f"; the host must be intercepted for its methods to be checked: the proxy sees only CONNECT "
+                f"{judgement.authority}, never the {method} inside the tunnel (add the host to `intercept`; "
+                "the client must then trust `sluice ca`)")
+    if judgement.via == "intercepted" and method == "CONNECT" and case.reason == Reason.METHOD_NOT_ALLOWED.value:
+        return "; the CONNECT to an intercepted host is not checked against `methods` (each request inside is)"
+    return ""
 
 
 def run_test(policy_path: str, cases_path: str, *, verbose: bool = False) -> int:
@@ -500,13 +722,14 @@ def run_test(policy_path: str, cases_path: str, *, verbose: bool = False) -> int
         print(f"{cases_path}: {len(e.problems)} problem(s)", file=sys.stderr)
         return EXIT_INVALID
     passed = failed = 0
-    for case, decision, _profile in asyncio.run(_run_cases(policy, cases)):
+    for case, judgement in asyncio.run(_run_cases(policy, cases)):
+        decision = judgement.decision
         got = "allow" if decision.allowed else "refuse"
         ok = got == case.expect and (case.reason is None or (decision.reason is not None and decision.reason.value == case.reason))
         if ok:
             passed += 1
             if verbose:
-                print(f"{cases_path}:{case.line}: ok: {case.label}: {_outcome(decision)}")
+                print(f"{cases_path}:{case.line}: ok: {case.label}: {_outcome(judgement)}")
             continue
         failed += 1
         wanted = f"{case.expect} ({case.reason})" if case.reason else case.expect
@@ -514,7 +737,8 @@ def run_test(policy_path: str, cases_path: str, *, verbose: bool = False) -> int
         why = f": {refusal.detail}" if refusal else ""
         rule = refusal.rule if refusal else (decision.rule.origin if decision.rule else None)
         where = f" [rule {rule}]" if rule else ""
-        print(f"{cases_path}:{case.line}: FAIL: {case.label}: expected {wanted}, got {_outcome(decision)}{where}{why}")
+        print(f"{cases_path}:{case.line}: FAIL: {case.label}: expected {wanted}, got {_outcome(judgement)}{where}{why}"
+              f"{_hint(case, judgement)}")
     print(f"{passed} passed, {failed} failed")
     return EXIT_OK if failed == 0 else EXIT_INVALID
 

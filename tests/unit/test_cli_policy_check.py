@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import io
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -91,7 +93,7 @@ def test_check_survives_a_loader_bug(cli, write, monkeypatch):
     def broken(path):
         raise RuntimeError("boom")
 
-    monkeypatch.setattr("sluice.policy_cli.load_policy_file", broken)
+    monkeypatch.setattr("sluice.policy_cli.read_policy_file", broken)
     path = write("p.yaml", "version: 1\n")
     result = cli(["policy", "check", path])
     assert result.code == 1
@@ -168,3 +170,113 @@ def test_hash_password_eof_on_a_terminal(cli, monkeypatch):
     monkeypatch.setattr("getpass.getpass", eof)
     result = cli(["policy", "hash-password"])
     assert result.code == 2 and "could not read a password" in result.err
+
+
+# ---- warnings: what the proxy cannot enforce as written (issue 10, item 1) -------------------
+
+UNSEEN = """\
+version: 1
+allow: [pypi.org, "**.github.com", "*.example.org"]
+methods: [GET, HEAD, CONNECT]
+strip_request_headers: [Cookie]
+intercept: ["**.github.com"]
+clients:
+  - name: same
+    sources: [10.1.0.0/16]
+  - name: ci
+    sources: [10.20.0.0/16]
+    methods: [GET, CONNECT]
+    intercept: ["*"]
+  - name: bot
+    users: {bot: {password_hash: "sha256:%s"}}
+    allow: ["*"]
+""" % ("0" * 64)
+
+
+def real_sluice(*args) -> subprocess.CompletedProcess:
+    return subprocess.run([str(Path(sys.executable).parent / "sluice"), *map(str, args)], capture_output=True,
+                          text=True, timeout=60, env={"PATH": "/usr/bin:/bin", "HOME": "/nonexistent"})
+
+
+def test_check_warns_about_methods_and_headers_for_https_hosts_not_intercepted(write):
+    path = write("p.yaml", UNSEEN)
+    result = real_sluice("policy", "check", path)
+    assert result.returncode == 0 and result.stdout.startswith(f"{path}: OK (enforce mode)")
+    assert result.stderr.splitlines() == [
+        f"{path}:3:1: warning: methods [CONNECT, GET, HEAD] cannot be enforced on https:// URLs to pypi.org, "
+        "*.example.org (not under `intercept`): such a request is a CONNECT tunnel whose method the proxy never sees "
+        "(a DELETE passes inside it). Intercept those hosts (`intercept:`; the client must then trust `sluice ca`), "
+        "or leave CONNECT out of `methods` to refuse those tunnels",
+        f"{path}:4:1: warning: strip_request_headers [cookie] cannot be applied on https:// URLs to pypi.org, "
+        "*.example.org (not under `intercept`): such a request is a CONNECT tunnel whose headers the proxy never sees. "
+        "Intercept those hosts (`intercept:`; the client must then trust `sluice ca`), or leave CONNECT out of "
+        "`methods` to refuse those tunnels",
+        # profile `same` inherits everything (warned once, above); `ci` intercepts every host
+        f"{path}:3:1: warning: client profile 'bot': methods [CONNECT, GET, HEAD] cannot be enforced on https:// URLs "
+        "to any public host not under `intercept`: such a request is a CONNECT tunnel whose method the proxy never "
+        "sees (a DELETE passes inside it). Intercept those hosts (`intercept:`; the client must then trust "
+        "`sluice ca`), or leave CONNECT out of `methods` to refuse those tunnels",
+        f"{path}:4:1: warning: client profile 'bot': strip_request_headers [cookie] cannot be applied on https:// URLs "
+        "to any public host not under `intercept`: such a request is a CONNECT tunnel whose headers the proxy never "
+        "sees. Intercept those hosts (`intercept:`; the client must then trust `sluice ca`), or leave CONNECT out of "
+        "`methods` to refuse those tunnels",
+        f"{path}: 4 warning(s)",
+    ]
+    assert "intercepts TLS (methods and headers checked inside HTTPS) for: **.github.com" in result.stdout
+
+
+def test_check_strict_fails_on_warnings(write):
+    path = write("p.yaml", UNSEEN)
+    result = real_sluice("policy", "check", "--strict", path)
+    assert result.returncode == 1 and result.stdout == ""
+    assert result.stderr.splitlines()[-1] == f"{path}: 4 warning(s); --strict makes them errors"
+    assert len(result.stderr.splitlines()) == 5
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "version: 1\nmethods: [GET, HEAD]\nstrip_request_headers: [Cookie]\n",  # no CONNECT: tunnels are refused
+        "version: 1\nmethods: [GET, HEAD, CONNECT]\nintercept: ['*']\n",
+        "version: 1\nallow: [a.example, '**.b.example', '*.c.example']\nmethods: [GET, CONNECT]\n"
+        "intercept: ['**.a.example', b.example, '*.b.example', '**.c.example']\n",
+        "version: 1\nallow: [a.example]\nmethods: [GET, HEAD, CONNECT]\nintercept: [a.example]\n"
+        "strip_request_headers: [Cookie]\n",
+        "version: 1\nallow: ['**.github.com']\n",  # every method: nothing claimed
+        "version: 1\nmethods: [GET, HEAD, POST, PUT, DELETE, OPTIONS, TRACE, PATCH]\nclients:\n"
+        "  - name: ci\n    sources: [10.0.0.0/8]\n    methods: [GET]\n",  # the profile refuses every tunnel
+    ],
+)
+def test_check_strict_passes_policies_that_claim_only_what_is_enforced(write, text):
+    path = write("p.yaml", text)
+    result = real_sluice("policy", "check", "--strict", path)
+    assert result.returncode == 0, result.stderr
+    assert result.stderr == ""
+
+
+@pytest.mark.parametrize(
+    ("text", "where"),
+    [
+        # **.b.example also names b.example itself, which only *.b.example does not cover
+        ("version: 1\nallow: ['**.b.example']\nmethods: [GET, CONNECT]\nintercept: ['*.b.example']\n", "**.b.example"),
+        ("version: 1\nallow: ['*.c.example']\nmethods: [GET, CONNECT]\nintercept: [x.c.example]\n", "*.c.example"),
+        ("version: 1\nallow: ['8.8.8.0/24']\nmethods: [GET, CONNECT]\nintercept: ['8.8.8.0/24']\n", "8.8.8.0/24"),
+        ("version: 1\naction: report\nmethods: [GET, CONNECT]\n", "any public host (nothing is under `intercept`)"),
+    ],
+)
+def test_check_warns_when_intercept_leaves_some_host_out(cli, write, text, where):
+    path = write("p.yaml", text)
+    result = cli(["policy", "check", path])
+    assert result.code == 0
+    assert f"cannot be enforced on https:// URLs to {where}" in result.err
+
+
+def test_check_strict_on_an_invalid_policy_reports_its_problems(cli, write):
+    path = write("p.yaml", "version: 1\nallow: ['*.internal']\n")
+    result = cli(["policy", "check", "--strict", path])
+    assert result.code == 1 and result.err.splitlines() == [
+        f"{path}:2:9: allow entry '*.internal' can never match: every name it covers is an internal name (*.internal), "
+        "which Sluice refuses before any rule is read; only an exact entry makes an internal name reachable "
+        "(e.g. 'wiki.internal'), never a wildcard",
+        f"{path}: 1 problem(s)",
+    ]

@@ -4,6 +4,9 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -27,7 +30,8 @@ clients:
     allow: ["**.example.org"]
 """
 
-KEYS = {"decision", "reason", "would_refuse", "rule", "profile", "host", "port", "addresses", "address", "status", "detail", "message"}
+KEYS = {"decision", "reason", "would_refuse", "rule", "profile", "host", "port", "addresses", "address", "status", "detail",
+        "message", "via", "note"}
 
 
 @pytest.fixture
@@ -61,7 +65,10 @@ def test_allowed_request(explain, policy):
     assert data == {
         "decision": "allow", "reason": None, "would_refuse": False, "rule": f"{policy}:2", "profile": None,
         "host": "example.com", "port": 443, "addresses": ["93.184.215.14"], "address": "93.184.215.14",
-        "status": None, "detail": None, "message": None,
+        "status": None, "detail": None, "message": None, "via": "tunnel",
+        "note": "tunnel: the method is not visible: the proxy sees only CONNECT example.com:443 (the host is not under "
+                "`intercept`) and decides it by host, port and address; the GET inside, its path and headers are never "
+                "seen. Add the host to `intercept` to have them checked.",
     }
 
 
@@ -366,3 +373,119 @@ def test_parse_url(url, host, port, scheme, credentials):
 
     dest = parse_url(url, "POST")
     assert (dest.host, dest.port, dest.scheme, dest.has_credentials, dest.method) == (host, port, scheme, credentials, "POST")
+
+
+# ---- https:// URLs are judged as the proxy meets them (issue 10, item 1) ----------------------
+
+SLUICE = Path(sys.executable).parent / "sluice"
+
+TUNNELS = """\
+version: 1
+methods: [GET, HEAD, CONNECT]
+deny: [bad.example]
+intercept: [api.example.org]
+clients:
+  - name: ci
+    sources: [10.20.0.0/16]
+    methods: [GET, HEAD]
+    intercept: ["*"]
+  - name: closed
+    sources: [10.30.0.0/16]
+    methods: [GET, HEAD]
+"""
+
+
+def real_sluice(*args) -> subprocess.CompletedProcess:
+    """The installed `sluice` command itself, in a subprocess."""
+    return subprocess.run([str(SLUICE), *map(str, args)], capture_output=True, text=True, timeout=60,
+                          env={"PATH": "/usr/bin:/bin", "HOME": "/nonexistent"})
+
+
+@pytest.fixture
+def tunnels(write):
+    return write("tunnels.yaml", TUNNELS)
+
+
+def test_an_https_url_not_intercepted_is_its_connect_and_the_method_is_not_visible(tunnels):
+    result = real_sluice("policy", "explain", "--policy", tunnels, "--method", "POST",
+                         "--resolve", "www.example.org=93.184.215.14", "https://www.example.org/upload")
+    data = json.loads(result.stdout)
+    assert result.returncode == 0, result.stderr  # the proxy lets the tunnel open: the POST inside is never seen
+    assert data["decision"] == "allow" and data["via"] == "tunnel" and data["reason"] is None
+    assert data["note"].startswith("tunnel: the method is not visible: the proxy sees only CONNECT www.example.org:443")
+    assert "the POST inside" in data["note"] and "`intercept`" in data["note"]
+    assert data["address"] == "93.184.215.14"
+
+
+def test_a_tunnel_is_refused_by_host_port_and_address_with_the_note(explain, cli, tunnels):
+    data = decided(cli(["policy", "explain", "--policy", tunnels, "--method", "DELETE", "https://bad.example/"]))
+    assert (data["decision"], data["reason"], data["via"]) == ("refuse", "host_denied", "tunnel")
+    data = decided(cli(["policy", "explain", "--policy", tunnels, "--resolve", "x.example=10.0.0.1", "https://x.example/"]))
+    assert (data["reason"], data["via"]) == ("dns_answer_not_public", "tunnel")
+    data = decided(cli(["policy", "explain", "--policy", tunnels, "https://8.8.8.8:8443/"]))
+    assert (data["reason"], data["via"]) == ("port_not_allowed", "tunnel")
+    assert data["note"].startswith("tunnel: the method is not visible")
+
+
+def test_without_connect_in_methods_every_tunnel_not_intercepted_is_refused(cli, tunnels):
+    result = real_sluice("policy", "explain", "--policy", tunnels, "--client", "closed",
+                         "--resolve", "www.example.org=93.184.215.14", "https://www.example.org/")
+    data = json.loads(result.stdout)
+    assert result.returncode == 3
+    assert (data["decision"], data["reason"], data["via"]) == ("refuse", "method_not_allowed", "tunnel")
+    assert data["detail"].startswith("the method CONNECT is not allowed")
+    # a plain http:// GET from the same profile is a request, decided with its method
+    data = decided(cli(["policy", "explain", "--policy", tunnels, "--client", "closed",
+                        "--resolve", "www.example.org=93.184.215.14", "http://www.example.org/"]))
+    assert (data["decision"], data["via"]) == ("allow", "request")
+    assert data["note"] == "request: the proxy sees this GET request whole and decides it with its method"
+
+
+def test_an_intercepted_host_is_decided_per_request_with_its_method(cli, tunnels):
+    args = ["policy", "explain", "--policy", tunnels, "--resolve", "api.example.org=93.184.215.14"]
+    data = decided(cli([*args, "--method", "POST", "https://api.example.org/repos", ]))
+    assert (data["decision"], data["reason"], data["via"]) == ("refuse", "method_not_allowed", "intercepted")
+    assert data["note"].startswith("intercepted: CONNECT api.example.org:443 is allowed without a method check")
+    assert "decides the POST request inside on its own" in data["note"]
+    data = decided(cli([*args, "https://api.example.org/repos"]))
+    assert (data["decision"], data["via"], data["address"]) == ("allow", "intercepted", "93.184.215.14")
+    # the profile intercepts everything and does not list CONNECT: intercepted CONNECTs need no method
+    data = decided(cli([*args, "--client", "ci", "--method", "HEAD", "https://api.example.org/"]))
+    assert (data["decision"], data["via"], data["profile"]) == ("allow", "intercepted", "ci")
+    data = decided(cli([*args, "--client", "ci", "--method", "CONNECT", "https://api.example.org/"]))
+    assert (data["decision"], data["via"]) == ("allow", "intercepted")
+    assert "every request inside the tunnel is then decided on its own" in data["note"]
+    data = decided(cli([*args, "--client", "ci", "--method", "PUT", "https://api.example.org/"]))
+    assert (data["reason"], data["via"]) == ("method_not_allowed", "intercepted")
+
+
+def test_an_intercepted_connect_that_is_refused_is_the_answer(cli, tunnels):
+    data = decided(cli(["policy", "explain", "--policy", tunnels, "--client", "ci", "--method", "POST", "https://bad.example/"]))
+    assert (data["reason"], data["via"]) == ("host_denied", "intercepted")
+    assert data["note"] == "intercepted: CONNECT bad.example:443 is refused, so no request reaches the tunnel."
+
+
+def test_an_http_url_is_always_a_request_even_to_an_intercepted_host(cli, tunnels):
+    data = decided(cli(["policy", "explain", "--policy", tunnels, "--method", "POST",
+                        "--resolve", "api.example.org=93.184.215.14", "http://api.example.org/"]))
+    assert (data["reason"], data["via"]) == ("method_not_allowed", "request")
+
+
+def test_url_credentials_over_https_travel_inside_the_tunnel(cli, tunnels):
+    data = decided(cli(["policy", "explain", "--policy", tunnels, "--resolve", "www.example.org=93.184.215.14",
+                        "https://user:secret@www.example.org/"]))
+    assert (data["decision"], data["via"]) == ("allow", "tunnel")
+    assert "user:password@ is not seen either" in data["note"]
+    data = decided(cli(["policy", "explain", "--policy", tunnels, "http://user:secret@www.example.org/"]))
+    assert (data["reason"], data["via"]) == ("url_credentials", "request")
+
+
+def test_the_coding_agent_push_that_the_live_proxy_let_through(write):
+    # config/examples/coding-agent.yaml before issue 10: ci-runners "download only: no git push",
+    # methods [GET, HEAD, CONNECT] and no intercept. explain said "refuse"; the proxy allowed the push.
+    path = write("old.yaml", "version: 1\nallow: ['**.github.com']\nclients:\n  - name: ci-runners\n"
+                             "    sources: [10.20.0.0/16]\n    methods: [GET, HEAD, CONNECT]\n")
+    result = real_sluice("policy", "explain", "--policy", path, "--client", "ci-runners", "--method", "POST",
+                         "--resolve", "github.com=140.82.121.4", "https://github.com/psf/requests.git/git-receive-pack")
+    data = json.loads(result.stdout)
+    assert result.returncode == 0 and (data["decision"], data["via"]) == ("allow", "tunnel")

@@ -3,6 +3,10 @@ exit 0 / 1; cases files validated with FILE:LINE:COL problems."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 POLICY = """\
@@ -90,8 +94,9 @@ def test_verbose_lists_every_case(run):
     assert result.code == 0
     lines = result.out.splitlines()
     assert len(lines) == 11 and lines[-1] == "10 passed, 0 failed"
-    assert lines[0] == f"{path}:1: ok: GET https://www.example.org/: allow"
-    assert lines[1] == f"{path}:4: ok: several answers, one private: refuse (dns_answer_not_public)"
+    assert lines[0] == f"{path}:1: ok: GET https://www.example.org/: allow [tunnel: the method is not visible]"
+    assert lines[1] == f"{path}:4: ok: several answers, one private: refuse (dns_answer_not_public) [tunnel: the method is not visible]"
+    assert lines[4] == f"{path}:16: ok: GET http://searxng:8080/: allow"
 
 
 def test_failures_print_one_line_each_and_exit_1(run, policy):
@@ -111,11 +116,11 @@ def test_failures_print_one_line_each_and_exit_1(run, policy):
     path, result = run(cases)
     assert result.code == 1
     assert result.out.splitlines() == [
-        f"{path}:1: FAIL: GET https://example.com/: expected allow, got refuse (host_not_allowed): "
+        f"{path}:1: FAIL: GET https://example.com/: expected allow, got refuse (host_not_allowed) [tunnel: the method is not visible]: "
         "example.com is not on this policy's allow list",
         f"{path}:3: FAIL: GET https://bad.example.org/: expected refuse (host_not_allowed), got refuse (host_denied) "
-        f"[rule {policy}:3]: bad.example.org is denied by the rule 'bad.example.org'",
-        f"{path}:6: FAIL: GET https://www.example.org/: expected refuse, got allow [rule {policy}:2]",
+        f"[tunnel: the method is not visible] [rule {policy}:3]: bad.example.org is denied by the rule 'bad.example.org'",
+        f"{path}:6: FAIL: GET https://www.example.org/: expected refuse, got allow [tunnel: the method is not visible] [rule {policy}:2]",
         "1 passed, 3 failed",
     ]
 
@@ -211,3 +216,96 @@ def test_a_missing_or_binary_cases_file(cli, policy, write, tmp_path):
 
 def test_usage_errors_exit_2(cli, policy):
     assert cli(["policy", "test", policy]).code == 2
+
+
+# ---- https:// cases are judged as the proxy meets them (issue 10, item 1) ----------------------
+
+DOWNLOAD_ONLY = """\
+version: 1
+allow: ["**.github.com"]
+clients:
+  - name: tunnels
+    sources: [10.20.0.0/16]
+    methods: [GET, HEAD, CONNECT]
+  - name: intercepted
+    sources: [10.30.0.0/16]
+    methods: [GET, HEAD]
+    intercept: ["**.github.com"]
+"""
+
+PUSH = """\
+- name: CI may not push
+  url: https://github.com/psf/requests.git/git-receive-pack
+  client: {client}
+  method: POST
+  resolve: {{github.com: 140.82.121.4}}
+  expect: refuse
+  reason: method_not_allowed
+"""
+
+
+def real_sluice(*args) -> subprocess.CompletedProcess:
+    """The installed `sluice` command itself, in a subprocess (cases never query DNS)."""
+    return subprocess.run([str(Path(sys.executable).parent / "sluice"), *map(str, args)], capture_output=True,
+                          text=True, timeout=60, env={"PATH": "/usr/bin:/bin", "HOME": "/nonexistent"})
+
+
+def test_a_method_refusal_expected_inside_a_tunnel_fails_and_says_to_intercept(write):
+    policy = write("download.yaml", DOWNLOAD_ONLY)
+    cases = write("cases.yaml", PUSH.format(client="tunnels"))
+    result = real_sluice("policy", "test", policy, cases)
+    assert result.returncode == 1
+    assert result.stdout.splitlines() == [
+        f"{cases}:1: FAIL: CI may not push: expected refuse (method_not_allowed), got allow "
+        f"[tunnel: the method is not visible] [rule {policy}:2]; the host must be intercepted for its methods to be "
+        "checked: the proxy sees only CONNECT github.com:443, never the POST inside the tunnel (add the host to "
+        "`intercept`; the client must then trust `sluice ca`)",
+        "0 passed, 1 failed",
+    ]
+
+
+def test_the_same_case_passes_when_the_host_is_intercepted(write):
+    policy = write("download.yaml", DOWNLOAD_ONLY)
+    cases = write("cases.yaml", PUSH.format(client="intercepted"))
+    result = real_sluice("policy", "test", "-v", policy, cases)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.splitlines() == [
+        f"{cases}:1: ok: CI may not push: refuse (method_not_allowed) [intercepted]", "1 passed, 0 failed"]
+
+
+def test_a_method_refusal_without_a_reason_gets_the_hint_too(run):
+    cases = ("- url: https://www.example.org/\n  method: DELETE\n  resolve: {www.example.org: 93.184.215.14}\n"
+             "  expect: refuse\n")
+    _, result = run(cases)
+    assert result.code == 1 and "the host must be intercepted for its methods to be checked" in result.out
+    # a refusal by host is not about methods: no hint
+    _, result = run("- url: https://www.example.org/\n  resolve: {www.example.org: 93.184.215.14}\n  expect: refuse\n"
+                    "  reason: host_denied\n")
+    assert result.code == 1 and "intercepted" not in result.out.split("[rule")[-1]
+
+
+def test_a_tunnel_case_is_decided_by_its_connect(run):
+    cases = """\
+- name: ci lists no CONNECT, so its tunnels are refused whatever the method
+  url: https://www.example.org/
+  client: ci
+  resolve: {www.example.org: 93.184.215.14}
+  expect: refuse
+  reason: method_not_allowed
+- name: an explicit CONNECT is the same decision
+  url: https://www.example.org/
+  method: CONNECT
+  resolve: {www.example.org: 93.184.215.14}
+  expect: allow
+- name: credentials in an https URL go inside the tunnel
+  url: https://user:pw@www.example.org/
+  resolve: {www.example.org: 93.184.215.14}
+  expect: allow
+- name: over plain http the proxy sees them
+  url: http://user:pw@www.example.org/
+  expect: refuse
+  reason: url_credentials
+"""
+    _, result = run(cases, "-v")
+    assert result.code == 0, result.out
+    assert result.out.splitlines()[-1] == "4 passed, 0 failed"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -32,6 +33,13 @@ def test_example_checks(cli, name):
 
 
 @pytest.mark.parametrize("name", NAMES)
+def test_example_claims_only_what_the_proxy_enforces(cli, name):
+    # --strict: no warning either, e.g. no `methods` for HTTPS hosts that are not intercepted
+    result = cli(["policy", "check", "--strict", EXAMPLES / f"{name}.yaml"])
+    assert result.code == 0 and result.err == "", result.err
+
+
+@pytest.mark.parametrize("name", NAMES)
 def test_example_passes_its_cases(cli, name):
     result = cli(["policy", "test", EXAMPLES / f"{name}.yaml", EXAMPLES / f"{name}.cases.yaml"])
     assert result.code == 0, result.out + result.err
@@ -58,6 +66,7 @@ def test_the_examples_together_cover_the_main_reasons():
 def test_research_agent_is_read_only_and_open():
     rules = load_policy_file(EXAMPLES / "research-agent.yaml").rules
     assert rules.methods == {"GET", "HEAD"} and rules.allow is None and len(rules.deny) >= 3
+    assert rules.intercept.everything  # read-only inside HTTPS too
     assert any(c["url"].startswith("http://169.254.169.254") and c["reason"] == "address_not_public"
                for c in cases("research-agent"))
 
@@ -75,6 +84,11 @@ def test_coding_agent_has_an_allow_list_and_both_kinds_of_profile():
     assert by_source and by_user
     assert all(v.startswith("pbkdf2_sha256$") for p in by_user for _, v in p.credentials)
     assert {c.get("client") for c in cases("coding-agent")} >= {None, by_source[0].name, by_user[0].name}
+    # "download only" is enforced: the runners' HTTPS is intercepted and a push is refused inside it
+    ci = by_source[0].rules
+    assert ci.intercept.everything and ci.methods == {"GET", "HEAD"}
+    assert any(c.get("client") == by_source[0].name and c.get("method") == "POST" and c["url"].startswith("https://")
+               and c.get("reason") == "method_not_allowed" for c in cases("coding-agent"))
 
 
 def test_searxng_sidecar_opens_exactly_one_service():
@@ -82,6 +96,24 @@ def test_searxng_sidecar_opens_exactly_one_service():
     rules = policy.rules
     assert [e.rule.text for e in rules.private_networks.entries] == ["10.0.0.5/32:8080"]
     assert rules.allow.exact.get("searxng") and rules.allow.everything
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_every_expected_method_refusal_is_one_the_proxy_can_see(cli, name):
+    """A method refusal needs a request the proxy sees: plain http://, an
+    intercepted host, or the CONNECT itself (CONNECT not in `methods`)."""
+    for case in cases(name):
+        if case.get("reason") != "method_not_allowed":
+            continue
+        args = ["policy", "explain", "--policy", EXAMPLES / f"{name}.yaml", "--method", case.get("method", "GET")]
+        if case.get("client"):
+            args += ["--client", case["client"]]
+        for host, ips in (case.get("resolve") or {}).items():
+            args += ["--resolve", f"{host}={ips if isinstance(ips, str) else ','.join(ips)}"]
+        result = cli([*args, case["url"]])
+        data = json.loads(result.out)
+        assert result.code == 3 and data["reason"] == "method_not_allowed", (case, data)
+        assert data["via"] in ("request", "intercepted") or "the method CONNECT is not allowed" in data["detail"], (case, data)
 
 
 def test_explain_an_example(cli):
