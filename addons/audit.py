@@ -4,32 +4,52 @@ Every decision the proxy makes is recorded here and only here, with its reason
 code, so operators have one canonical place to look (like Smokescreen's
 decision line). Allowed exchanges are logged when they end, with bytes and
 duration; refusals are logged at once. Policy reloads are logged too.
+
+`time` is RFC 3339 in UTC with milliseconds (`2026-11-29T09:15:02.118Z`).
+
+A file survives log rotation: it is reopened on SIGHUP (PolicySource's
+handler calls `reopen`), and before each line if the path no longer leads to
+the file being written (moved away, deleted, replaced), so a `mv` by
+logrotate or by hand never leaves lines going to the old file. A file that
+cannot be opened at start-up is an OptionsError (one line, exit 2).
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import os
 import sys
 import time
 from typing import IO, Any
 
-from mitmproxy import connection, ctx, http, tcp
+from mitmproxy import connection, ctx, exceptions, http, tcp
 
 from addons.verdict import Verdict, verdict_of
 from policy.decide import Decision
 
 # The one list of audit fields, in output order. Absent values are null.
 FIELDS = (
-    "time", "event", "id", "client", "profile", "method", "scheme", "host", "port",
+    "time", "event", "id", "connect_id", "client", "user", "profile", "method", "scheme", "host", "port",
     "address", "decision", "reason", "would_refuse", "rule", "status",
     "bytes_in", "bytes_out", "duration", "detail",
 )
+
+logger = logging.getLogger("sluice.audit")
+
+
+def rfc3339(when: float) -> str:
+    """`when` (seconds since the epoch) as RFC 3339 UTC with milliseconds."""
+    seconds, ms = divmod(round(when * 1000), 1000)
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(seconds)) + f".{ms:03d}Z"
 
 
 class AuditLog:
     def __init__(self) -> None:
         self._out: IO[str] | None = None
         self._path: str | None = None
+        self._identity: tuple[int, int] | None = None  # (st_dev, st_ino) of the open file
+        self._reopen_failed = False  # reported once until a reopen works
 
     def load(self, loader) -> None:
         loader.add_option(
@@ -39,22 +59,58 @@ class AuditLog:
 
     def configure(self, updated) -> None:
         if "sluice_audit_log" in updated:
-            self._open(ctx.options.sluice_audit_log)
+            path = ctx.options.sluice_audit_log
+            try:
+                self._open(path)
+            except OSError as e:
+                hint = " (create the directory first)" if isinstance(e, FileNotFoundError) else ""
+                raise exceptions.OptionsError(f"cannot open the audit log {path}: {e.strerror or e}{hint}") from None
 
     def _open(self, path: str) -> None:
-        if self._out is not None and self._out is not sys.stdout:
-            self._out.close()
-        self._path = path
-        self._out = sys.stdout if path in ("", "-") else open(path, "a", encoding="utf-8", buffering=1)
+        """Open `path` for appending (raises OSError); then close the old file."""
+        if path in ("", "-"):
+            out, identity = sys.stdout, None
+        else:
+            out = open(path, "a", encoding="utf-8", buffering=1)
+            st = os.fstat(out.fileno())
+            identity = (st.st_dev, st.st_ino)
+        self._close()
+        self._path, self._out, self._identity = path, out, identity
 
-    def done(self) -> None:
+    def _close(self) -> None:
         if self._out is not None and self._out is not sys.stdout:
             self._out.close()
         self._out = None
 
+    def reopen(self) -> None:
+        """Open the file at the path again (SIGHUP after a rotation). On
+        failure the old file is kept and the problem reported once."""
+        if self._path in (None, "", "-"):
+            return
+        try:
+            self._open(self._path)
+            self._reopen_failed = False
+        except OSError as e:
+            if not self._reopen_failed:
+                logger.error(f"cannot reopen the audit log {self._path}: {e.strerror or e}; still writing to the file it was")
+                self._reopen_failed = True
+
+    def _rotated(self) -> bool:
+        """Whether the path no longer leads to the open file."""
+        try:
+            st = os.stat(self._path)
+        except OSError:
+            return True
+        return (st.st_dev, st.st_ino) != self._identity
+
+    def done(self) -> None:
+        self._close()
+
     def write(self, **record: Any) -> None:
-        record.setdefault("time", round(time.time(), 3))
+        record.setdefault("time", rfc3339(time.time()))
         line = {k: record.get(k) for k in FIELDS}
+        if self._identity is not None and self._rotated():
+            self.reopen()
         out = self._out or sys.stdout
         # ASCII JSON: hosts and details quoting client bytes (even lone
         # surrogates) are escaped, so a line can always be written.
@@ -93,7 +149,8 @@ class AuditLog:
         connect = flow.request.method == "CONNECT"
         self.write(
             event="connect" if connect else "request",
-            id=flow.id, client=peer(flow.client_conn), profile=verdict.profile,
+            id=flow.id, connect_id=verdict.connect_id,
+            client=peer(flow.client_conn), user=verdict.user, profile=verdict.profile,
             method=flow.request.method, scheme=None if connect else flow.request.scheme,
             host=str(d.host) if d.host else verdict.host, port=verdict.port, address=d.address,
             decision="refuse" if refusal else "allow",
@@ -125,7 +182,8 @@ class AuditLog:
         verdict.logged = True
         d = verdict.decision
         self.write(
-            event="tunnel", id=flow_id, client=peer(client), profile=verdict.profile,
+            event="tunnel", id=flow_id or verdict.connect_id, connect_id=verdict.connect_id,
+            client=peer(client), user=verdict.user, profile=verdict.profile,
             host=str(d.host) if d.host else verdict.host, port=verdict.port, address=d.address,
             decision="refuse" if verdict.cap else "allow",
             reason=(verdict.cap or d.would_refuse).reason.value if (verdict.cap or d.would_refuse) else None,
