@@ -59,6 +59,7 @@ class PolicySource:
         self._listeners: list[Callable[[LivePolicy], None]] = []
         self._reloading: asyncio.Task | None = None
         self._again = False  # a trigger arrived during the running reload
+        self._explicit = False  # a SIGHUP asked for the next reload: it always answers on stderr
 
     def on_reload(self, callback: Callable[[LivePolicy], None]) -> None:
         """Call `callback(live)` on the event loop after each reload that swapped
@@ -112,7 +113,7 @@ class PolicySource:
                 ctx.master.shutdown()
                 return
         try:
-            asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, self.request_reload)
+            asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, self.sighup)
         except (NotImplementedError, RuntimeError, ValueError):
             pass  # not the main thread (embedded use): polling still works
         if self.poll_seconds > 0 and self._poller is None:
@@ -137,10 +138,21 @@ class PolicySource:
             except Exception:  # the watcher must never die
                 logger.exception("policy watcher error")
 
-    def request_reload(self) -> asyncio.Task:
+    def sighup(self) -> None:
+        """SIGHUP: reopen the audit file (log rotation) and reload, saying on
+        stderr what came of it even when nothing changed. Never raises."""
+        try:
+            self.audit.reopen()
+        except Exception:
+            logger.exception("audit log reopen failed")
+        self.request_reload(explicit=True)
+
+    def request_reload(self, explicit: bool = False) -> asyncio.Task:
         """Start a reload; during one, ask for one more after it (any number of
         requests meanwhile make one). The task's result is the last reload's.
-        Also the SIGHUP handler, so it never raises."""
+        `explicit` (SIGHUP): the reload reports its outcome even if the file
+        is unchanged or still missing. Never raises."""
+        self._explicit = self._explicit or explicit
         if self._reloading is None or self._reloading.done():
             self._again = False
             self._reloading = asyncio.ensure_future(self._reload_serially())
@@ -155,8 +167,9 @@ class PolicySource:
     async def _reload_serially(self) -> bool:
         while True:
             self._again = False
+            explicit, self._explicit = self._explicit, False
             try:
-                ok = await self._reload_once()
+                ok = await self._reload_once(explicit)
             except asyncio.CancelledError:
                 raise
             except Exception:  # one failed attempt must not end reloading
@@ -165,7 +178,9 @@ class PolicySource:
             if not self._again:
                 return ok
 
-    async def _reload_once(self) -> bool:
+    async def _reload_once(self, explicit: bool = False) -> bool:
+        """One reload. Every stderr line it prints ends in the state the proxy
+        is then in: the generation it enforces."""
         path = ctx.options.sluice_policy
         if not path:
             return False
@@ -173,8 +188,9 @@ class PolicySource:
         if ctx.options.sluice_policy != path:
             return False  # the option changed meanwhile and configure() loaded the new path
         if outcome is None:
+            if not self._missing_reported or explicit:
+                logger.warning(f"{path}: the policy file is gone; keeping the last good policy ({self._generation()})")
             if not self._missing_reported:
-                logger.warning(f"{path}: the policy file is gone; keeping the last good policy")
                 self.audit.write(event="reload", decision="failed", detail=f"{path} is missing; last good policy kept")
                 self._missing_reported = True
                 self._reload_failed = True
@@ -184,7 +200,7 @@ class PolicySource:
             problems = outcome.problems
             for problem in problems:
                 logger.error(str(problem))
-            logger.error(f"{path}: reload refused ({len(problems)} problem(s)); keeping the last good policy")
+            logger.error(f"{path}: reload refused ({len(problems)} problem(s)); keeping the last good policy ({self._generation()})")
             self.audit.write(event="reload", decision="failed", detail="; ".join(str(p) for p in problems[:20]))
             self._reload_failed = True
             return False
@@ -192,14 +208,20 @@ class PolicySource:
         if self.current is not None and digest == self.current.digest:
             if self._reload_failed:  # the last good file is back: say so
                 self._reload_failed = False
+                logger.warning(f"{path}: restored last good policy ({self._generation()})")
                 self.audit.write(event="reload", decision="ok", detail=f"{path} restored (generation {self.current.generation})")
+            elif explicit:
+                logger.warning(f"{path}: unchanged; keeping the current policy ({self._generation()})")
             return True  # touched, not changed
         self._reload_failed = False
         live = self.install(policy, digest)
-        logger.warning(f"{path}: policy reloaded (generation {live.generation})")
+        logger.warning(f"{path}: policy reloaded ({self._generation()})")
         self.audit.write(event="reload", decision="ok", detail=f"{path} generation {live.generation}")
         self._notify(live)
         return True
+
+    def _generation(self) -> str:
+        return f"generation {self.current.generation}" if self.current is not None else "no policy loaded"
 
     @staticmethod
     def _read(path: str) -> tuple[Policy, str]:
