@@ -42,6 +42,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", type=_phases, default=None,
                    help="run: only these phases, comma-separated (micro, idle, http, connect, tunnel); "
                         "profile: only these scenarios (http, tunnel, connect)")
+    p.add_argument("--baseline-tree", type=Path, default=None, metavar="DIR",
+                   help="run: also run the Sluice of this other checkout (e.g. a git worktree of an older "
+                        "commit) in the CONNECT rounds, beside the current code")
     args = p.parse_args(argv)
 
     if args.command == "deps":
@@ -65,7 +68,11 @@ def main(argv: list[str] | None = None) -> int:
     from bench import report, run
 
     try:
-        results = run.run(run.Settings(quick=args.quick, only=args.only),
+        if args.baseline_tree is not None and not (args.baseline_tree / "sluice" / "cli.py").is_file():
+            print(f"bench: {args.baseline_tree} is not a Sluice checkout", file=sys.stderr)
+            return 2
+        results = run.run(run.Settings(quick=args.quick, only=args.only,
+                                       baseline_tree=str(args.baseline_tree) if args.baseline_tree else None),
                           log=lambda m: print(m, file=sys.stderr, flush=True))
     except run.NotInNamespace as e:
         print(f"bench: {e}", file=sys.stderr)

@@ -38,6 +38,7 @@ class Contender:
     notes: list[str] = field(default_factory=list)
     workers: int = 1  # > 1: `sluice proxy --workers N`, a supervisor and N worker processes
     pinned: bool = True  # pinned to the proxy core; False: allowed every CPU (shared with the load side)
+    tree: Path | None = None  # another checkout whose Sluice code this contender runs (--baseline-tree)
 
     @property
     def proxy(self) -> tuple[str, int] | None:
@@ -82,6 +83,18 @@ def all_contenders() -> list[Contender]:
     ]
 
 
+def baseline_contender(tree: Path) -> Contender:
+    """Sluice from another checkout (e.g. `git worktree add /tmp/sluice-base
+    ec922c8`), run with this venv and PYTHONPATH pointing at that tree, in
+    the same CONNECT rounds as the current code: a same-round A/B."""
+    try:
+        commit = procs.run(["git", "-C", str(tree), "rev-parse", "--short", "HEAD"], timeout=10).stdout.strip()
+    except (OSError, subprocess.TimeoutExpired):
+        commit = ""
+    label = f"Sluice at {commit or tree} (baseline tree {tree}), default policy"
+    return Contender("sluice-baseline", label, 18087, frozenset({"connect"}), tree=tree)
+
+
 # ---- name resolution for the proxies that use the system resolver ----------
 
 def hosts_wrapper(root: Path) -> list[str] | None:
@@ -116,7 +129,8 @@ def start(c: Contender, root: Path, policies: dict[str, Path], wrapper: list[str
         if c.key.startswith("mitmdump"):
             _start_mitmdump(c, root, wrapper)
         elif c.key.startswith("sluice"):
-            _start_sluice(c, root, policies["large" if c.key == "sluice-10k" else "default"])
+            _start_sluice(c, root, policies["large" if c.key == "sluice-10k" else
+                                            "baseline" if c.key == "sluice-baseline" else "default"])
         elif c.key == "tinyproxy":
             _start_tinyproxy(c, root, wrapper)
         c.proc.wait_port(LISTEN, c.port, timeout=30)
@@ -167,9 +181,15 @@ def _start_sluice(c: Contender, root: Path, policy: Path) -> None:
             "--audit-log", str(root / f"audit-{c.key}.jsonl"), "--set", f"confdir={_confdir(root)}"]
     if c.workers > 1:
         argv += ["--workers", str(c.workers)]
-    if not exe.exists():
+    env = None
+    if c.tree is not None:
+        # Its sluice, addons and policy packages first; -P: not the current
+        # directory's (this checkout's), which `-m` would otherwise put first.
+        env = dict(os.environ, PYTHONPATH=str(c.tree))
+        argv = [sys.executable, "-P", "-m", "sluice.cli"] + argv[1:]
+    elif not exe.exists():
         argv = [sys.executable, "-m", "sluice.cli"] + argv[1:]
-    c.proc = procs.Proc(c.key, argv, root / f"{c.key}.log").start()
+    c.proc = procs.Proc(c.key, argv, root / f"{c.key}.log", env=env).start()
 
 
 def _start_tinyproxy(c: Contender, root: Path, wrapper: list[str] | None) -> None:

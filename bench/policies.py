@@ -2,9 +2,11 @@
 
 - default: config/policy.yaml as shipped, with `dns.nameservers` pointed at
   the benchmark's fake DNS server.
+- baseline: another checkout's config/policy.yaml, likewise (--baseline-tree).
 - large: the same plus an allow list of 10,000 host patterns (exact, `*.`
   and `**.` forms, one of them `**.example` so the benchmark's host is
-  allowed) and 500 CIDRs (plus 8.8.8.0/24, for IP-literal requests), and a
+  allowed) and 500 CIDRs starting at a public address (plus 8.8.8.0/24, for
+  IP-literal requests), and a
   deny list of 500 CIDRs: 1,000 CIDRs in all, IPv4 /12 to /32 and some IPv6,
   none of the deny ones holding 8.8.8.8. Both the name matcher and the
   address matcher (one probe per prefix length) run on every request.
@@ -29,8 +31,8 @@ _WORDS = ["api", "svc", "cdn", "data", "auth", "edge", "img", "pkg", "git", "mai
 _TLDS = ["com", "net", "org", "io", "dev", "co.uk", "de", "ai", "cloud", "app"]
 
 
-def base_policy(dns_server: str = DNS_SERVER) -> dict:
-    data = yaml.safe_load(DEFAULT_POLICY.read_text(encoding="utf-8")) or {}
+def base_policy(dns_server: str = DNS_SERVER, source: Path = DEFAULT_POLICY) -> dict:
+    data = yaml.safe_load(source.read_text(encoding="utf-8")) or {}
     dns = dict(data.get("dns") or {})
     dns["nameservers"] = [dns_server]
     data["dns"] = dns
@@ -47,7 +49,12 @@ def host_patterns(n: int = HOST_PATTERNS, seed: int = 1) -> list[str]:
     return sorted(out)
 
 
-def cidrs(n: int, seed: int) -> list[str]:
+def cidrs(n: int, seed: int, public: bool = False) -> list[str]:
+    """n random CIDRs, none holding the origin or loopback. public: each
+    starts with a public address (the loader refuses an allow CIDR whose every
+    address Sluice would refuse anyway)."""
+    from policy.ranges import classify
+
     rng = random.Random(seed)
     out: set[str] = set()
     while len(out) < n:
@@ -61,13 +68,15 @@ def cidrs(n: int, seed: int) -> list[str]:
             net = ipaddress.ip_network((rng.getrandbits(32) & ~((1 << (32 - prefix)) - 1), prefix))
             if ORIGIN in net or net.overlaps(ipaddress.ip_network("127.0.0.0/8")):
                 continue
+        if public and classify(str(net.network_address)) is not None:
+            continue
         out.add(str(net))
     return sorted(out)
 
 
 def large_policy(dns_server: str = DNS_SERVER) -> dict:
     data = base_policy(dns_server)
-    allow_cidrs = cidrs(CIDRS // 2, seed=2)
+    allow_cidrs = cidrs(CIDRS // 2, seed=2, public=True)
     deny_cidrs = [c for c in cidrs(CIDRS, seed=3) if c not in allow_cidrs][: CIDRS - len(allow_cidrs)]
     # 8.8.8.0/24 lets the microbenchmark's IP-literal case through by address.
     data["allow"] = host_patterns() + allow_cidrs + ["8.8.8.0/24"]
@@ -79,6 +88,12 @@ def write(path: Path, data: dict, comment: str) -> Path:
     text = f"# {comment}\n" + yaml.safe_dump(data, sort_keys=False, default_flow_style=None, width=120)
     path.write_text(text, encoding="utf-8")
     return path
+
+
+def write_baseline(directory: Path, tree: Path, dns_server: str = DNS_SERVER) -> Path:
+    """The default policy of another checkout (--baseline-tree), with the fake DNS server."""
+    return write(directory / "policy-baseline.yaml", base_policy(dns_server, tree / "config" / "policy.yaml"),
+                 f"{tree}/config/policy.yaml with the benchmark's fake DNS server")
 
 
 def write_all(directory: Path, dns_server: str = DNS_SERVER) -> dict[str, Path]:

@@ -126,7 +126,7 @@ def tunnel_table(results: dict) -> list[str]:
     return lines
 
 
-CONNECT_ORDER = ["mitmdump", "sluice", "sluice-10k", "tinyproxy", "direct"]
+CONNECT_ORDER = ["mitmdump", "sluice", "sluice-baseline", "sluice-10k", "tinyproxy", "direct"]
 BASELINE = Path(__file__).resolve().parent / "connect-baseline.json"  # measured before the security work
 
 
@@ -185,6 +185,11 @@ def connect_notes(results: dict) -> list[str]:
     if large.get("rate_vs_default") is not None:
         notes.append(f"CONNECT setups: the 10k-rule policy ran at {_ratio(large['rate_vs_default'])} the default "
                      f"policy's setups/s, CPU per setup {_ratio(large.get('cpu_vs_default'))} (same rounds)")
+    then = rows.get("sluice-baseline", {})
+    if then.get("rate_vs_default") is not None:
+        notes.append(f"CONNECT setups, same rounds: {_label(results, 'sluice-baseline')} made "
+                     f"{_ratio(then['rate_vs_default'])} the current Sluice's setups/s, with "
+                     f"{_ratio(then.get('cpu_vs_default'))} its CPU per setup (below 1×: the current code costs more)")
     q = rows.get("_rounds")
     if q and q["all"] > 1:
         how = ("only those were used for the ratios" if q["ratios_from"] == "quiet"

@@ -33,6 +33,7 @@ from bench.fakedns import FakeDNS
 class Settings:
     quick: bool = False
     only: tuple[str, ...] | None = None  # a subset of PHASES (`--only connect`); None: all
+    baseline_tree: str | None = None  # another checkout's Sluice, in the CONNECT rounds (same-round A/B)
 
     @property
     def duration(self) -> float:  # seconds measured per wrk run
@@ -170,6 +171,7 @@ def run(settings: Settings, log=print) -> dict:
     results: dict = {"settings": {k: getattr(settings, k) for k in
                                   ("quick", "duration", "warmup", "rounds", "side_rounds", "connections", "tunnel_bytes",
                                    "tunnel_rounds", "idle_connections", "connect_duration", "connect_clients", "only",
+                                   "baseline_tree",
                                    "run_phases")}
                      | {"cpus": {"load": sorted(layout[0]), "proxy": sorted(layout[1]),
                                  "unpinned": {"cpus": sorted(all_cpus), "contenders": [SCALE]}} if layout else None},
@@ -192,6 +194,10 @@ def run(settings: Settings, log=print) -> dict:
         dns = FakeDNS()
         # Only the contenders some chosen phase measures are started.
         everyone = [c for c in C.all_contenders() if c.roles & set(phases)]
+        if settings.baseline_tree and "connect" in phases:
+            tree = Path(settings.baseline_tree).resolve()
+            policy_files["baseline"] = policies.write_baseline(root, tree)
+            everyone.insert([c.key for c in everyone].index("sluice") + 1, C.baseline_contender(tree))
         try:
             try:
                 dns.start()
@@ -486,7 +492,8 @@ def http_phase(everyone: list[C.Contender], s: Settings, root: Path, results: di
         results["http"][str(conns)] = summary
 
 
-CONNECT_KEYS = ("mitmdump", "sluice", "sluice-10k")  # every round; tinyproxy and direct are references
+# Every round; tinyproxy and direct are references.
+CONNECT_KEYS = ("mitmdump", "sluice", "sluice-baseline", "sluice-10k")
 
 
 def connect_phase(everyone: list[C.Contender], s: Settings, results: dict, log) -> None:
@@ -565,7 +572,7 @@ def connect_phase(everyone: list[C.Contender], s: Settings, results: dict, log) 
             row["rate_ratio"] = _paired(per, c.key, "mitmdump", "rate", pick)
             row["p50_ratio"] = _paired(per, c.key, "mitmdump", "p50_ms", pick)
             row["cpu_ratio"] = _paired(per, c.key, "mitmdump", "cpu_us_per_setup", pick)
-        if c.key == "sluice-10k":
+        if c.key in ("sluice-10k", "sluice-baseline"):
             row["rate_vs_default"] = _paired(per, c.key, "sluice", "rate", use)
             row["cpu_vs_default"] = _paired(per, c.key, "sluice", "cpu_us_per_setup", use)
         summary[c.key] = row
