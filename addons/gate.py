@@ -33,6 +33,7 @@
 from __future__ import annotations
 
 import ipaddress
+import logging
 
 from mitmproxy import connection, http
 from mitmproxy.net import tls as mitm_tls
@@ -82,6 +83,7 @@ class EgressGate:
     def load(self, loader) -> None:
         mitm_patches.install()
         mitm_patches.set_dial_check(self.dial_allowed)
+        mitm_patches.set_socks5_login(True)  # SOCKS5 clients may identify with username/password
         self.source.on_reload(self.revoke_refused_tunnels)
 
     def live(self) -> LivePolicy:
@@ -144,7 +146,7 @@ class EgressGate:
         else:
             decision = await decide(client.rules, dest, live.resolver)
         verdict = Verdict(request.host, request.port, decision, client.profile,
-                          client.rules if client.refusal is None else None, intercept=intercept)
+                          client.rules if client.refusal is None else None, intercept=intercept, method=dest.method)
         flow.metadata[META] = verdict
         verdict.user = _user(live.policy, authorization)
         if connect:
@@ -182,7 +184,7 @@ class EgressGate:
         else:
             dest = Destination(tunnel.host, tunnel.port, request.scheme, request.method)
             decision = await decide(rules, dest, live.resolver)
-        flow.metadata[META] = Verdict(tunnel.host, tunnel.port, decision, tunnel.profile, rules)
+        flow.metadata[META] = Verdict(tunnel.host, tunnel.port, decision, tunnel.profile, rules, method=request.method)
         _inside(flow, tunnel)
         if not decision.allowed:
             flow.response = refusal_response(decision.refusal)
@@ -193,6 +195,32 @@ class EgressGate:
             # Absolute-form naming the tunnel's own host: send origin-form, so
             # the origin can only ever see the tunnel's host.
             request.authority = ""
+        if not request.host_header:
+            # No Host (HTTP/1.0, an empty one, absolute-form without one): name
+            # the tunnel's host, or a shared origin's default virtual host answers.
+            request.host_header = _authority(request.scheme, tunnel.host, tunnel.port)
+
+    # ---- SOCKS5 username/password ------------------------------------------
+
+    async def socks5_auth(self, data: modes.Socks5AuthData) -> None:
+        """A SOCKS5 client's username/password (RFC 1929, asked for when its
+        greeting offers it: mitm_patches `socks5_login`), checked exactly like
+        Proxy-Authorization. The profile it matches is the connection's
+        identity (addons/identity.py keeps it by client connection id for
+        `server_connect`). A refused login gets mitmproxy's RFC 1929 failure
+        reply and the connection closes; its audit line is written here."""
+        client = data.client_conn
+        try:
+            match = await self.identity.socks5_login(self.live().policy, client, data.username, data.password)
+            refusal = match.refusal if match is not None else None
+        except Exception:
+            logging.getLogger("sluice").exception("sluice: EgressGate.socks5_auth failed; refusing")
+            refusal = Refusal(Reason.INTERNAL_ERROR, "Sluice failed while checking this SOCKS5 login, so it refuses it")
+        if refusal is None:
+            data.valid = True
+            return
+        self.audit.write(event="connection", client=peer(client), user=quote_client(data.username, 64),
+                         decision="refuse", reason=refusal.reason.value, detail=f"SOCKS5 login: {refusal.detail}")
 
     # ---- the last gate: every dial ---------------------------------------
 
@@ -216,6 +244,8 @@ class EgressGate:
             self._refuse_dial(data, host, port, Decision(False, None, refusal, port=port), None)
             return
         live = self.live()
+        # A SOCKS5 client that logged in is matched to its login's profile
+        # (identity keeps it by client connection id); else by its address.
         client = await self.identity.match(live.policy, data.client, None)
         if client.refusal is not None:
             self._refuse_dial(data, host, port, Decision(False, None, client.refusal, port=port), None)
@@ -227,6 +257,7 @@ class EgressGate:
             return
         intercept = _intercepts(client.rules, host)
         verdict = Verdict(host, port, decision, client.profile, client.rules, intercept=intercept)
+        verdict.user = self.identity.socks5_user(data.client)
         self._remember_tunnel(data.client, server, verdict)
         self._approve(data.client, decision.address, port, client.rules)
         server.address = (decision.address, port)  # pin
@@ -262,6 +293,7 @@ class EgressGate:
 
     def client_disconnected(self, client: connection.Client) -> None:
         self._approved.pop(client.id, None)
+        self.identity.forget(client)
         for server_id in self._client_tunnels.pop(client.id, ()):
             tunnel = self._tunnels.pop(server_id, None)
             if tunnel is not None:
@@ -362,7 +394,7 @@ class EgressGate:
                 tunnel = self._tunnels.get(server_id)
                 if tunnel is None or tunnel.logged or tunnel.cap is not None or tunnel.client is None:
                     continue
-                refusal = _still_allowed(live.policy, tunnel)
+                refusal = still_allowed(live.policy, tunnel)
                 if refusal is not None:
                     self.caps.cut_tunnel(tunnel.client, tunnel, Refusal(
                         Reason.TUNNEL_REVOKED, f"the reloaded policy refuses this tunnel ({refusal.reason.value}: {refusal.detail})"))
@@ -467,13 +499,14 @@ def _canonical_ip(text: str) -> str | None:
     return str(ip)
 
 
-def _still_allowed(policy: Policy, tunnel: Verdict) -> Refusal | None:
+def still_allowed(policy: Policy, tunnel: Verdict) -> Refusal | None:
     """Would the policy now allow this open tunnel? Pure: the addresses are
     the ones it was validated and pinned with, no new lookup."""
     rules = _live_rules(policy, tunnel.profile)
     if rules is None:
         return Refusal(Reason.CLIENT_UNKNOWN, f"the client profile {tunnel.profile!r} is no longer in the policy")
-    decision = check_request(rules, Destination(tunnel.host, tunnel.port))
+    # The same question the tunnel was opened with (a CONNECT's method too).
+    decision = check_request(rules, Destination(tunnel.host, tunnel.port, method=tunnel.method))
     if decision.needs_dns:
         decision = check_answers(rules, decision, tunnel.decision.addresses or (tunnel.decision.address,))
     if decision.allowed:

@@ -39,6 +39,13 @@ Patches:
   it runs in, `asyncio.open_connection`: only an (IP, port) the gate approved
   for that client connection is dialled, never a name (see its section).
 
+- `http1_error_pages` marks mitmproxy's own HTML error pages
+  (`make_error_response`) and replaces them, where `Http1Server` hands its
+  commands on, with Sluice's answer (see its section).
+- `socks5_login` wraps the SOCKS5 greeting (`Socks5Proxy.state`): a client
+  offering username/password is asked for it, so it can be identified (see
+  its section).
+
 These limits are global (the policy's top level): the client's identity is
 in the very head being read. The head patches act only once a guard is set
 (`set_head_guard`, by addons/head_limits.py); until then mitmproxy behaves as
@@ -455,4 +462,200 @@ def _patch_dial_check() -> None:
 
 PATCHES["dial_check"] = (_patch_dial_check, (
     "mitmproxy.proxy.server:ConnectionHandler.open_connection",
+))
+
+
+# ---- http1_error_pages -------------------------------------------------------
+#
+# mitmproxy answers some requests itself, before or instead of any addon
+# hook that could: a head it cannot parse, a request it finds invalid (an
+# ftp:// URL, smuggling-prone framing), no Host, a failed dial. Its answer is
+# an HTML page with `Server: mitmproxy` (`make_error_response`, called from
+# `Http1Server.read_headers` and `Http1Server.send`). The patch marks those
+# pages (a bytes subclass carrying status and message) and, where
+# Http1Server hands its commands on, asks the listener
+# (addons/connection_audit.py, `error_page`) for Sluice's answer instead: the
+# same status where the audit line records it, `Sluice-Reason`, the sentence,
+# plain text. Without a listener (or when it returns nothing) mitmproxy's
+# page goes out as shipped.
+
+class ErrorPage(bytes):
+    """The bytes of one of mitmproxy's own HTTP/1 error responses."""
+
+    status: int
+    message: str
+
+
+class ErrorPageListener(Protocol):
+    def error_page(self, client: connection.Client, status: int, message: str, *, in_tunnel: bool) -> bytes | None:
+        """The raw HTTP/1 response to send instead of mitmproxy's page (None: keep it)."""
+
+
+def _in_intercepted_tunnel(layer_) -> bool:
+    from mitmproxy.proxy.layers.http import HttpLayer, HTTPMode
+
+    return any(isinstance(l, HttpLayer) and l.mode is HTTPMode.transparent for l in layer_.context.layers)
+
+
+def _patch_http1_error_pages() -> None:
+    from mitmproxy.proxy.layers.http import _http1
+
+    if not getattr(_http1.make_error_response, "__sluice_http1_error_pages__", False):
+        shipped = _http1.make_error_response
+
+        @functools.wraps(shipped)
+        def make_error_response(status_code: int, message: str = "") -> bytes:
+            page = ErrorPage(shipped(status_code, message))
+            page.status, page.message = status_code, message
+            return page
+
+        make_error_response.__sluice_http1_error_pages__ = True
+        _http1.make_error_response = make_error_response  # both callers look it up in the module
+
+    def make(original):
+        def _handle_event(self, event):
+            steps = original(self, event)
+            reply = None
+            while True:  # like `yield from`, replacing mitmproxy's pages as they go by
+                try:
+                    command = steps.send(reply)
+                except StopIteration as done:
+                    return done.value
+                listener = _refusal_listener
+                if (isinstance(command, commands.SendData) and isinstance(command.data, ErrorPage)
+                        and listener is not None and hasattr(listener, "error_page")):
+                    page = command.data
+                    raw = listener.error_page(self.conn, page.status, page.message, in_tunnel=_in_intercepted_tunnel(self))
+                    if raw:
+                        command = commands.SendData(command.connection, raw)
+                reply = yield command
+        return _handle_event
+
+    # Wraps whatever _handle_event is by then (http1_head_deadline's wrapper).
+    _wrap_once(Http1Server, "_handle_event", "__sluice_http1_error_pages__", make)
+
+
+PATCHES["http1_error_pages"] = (_patch_http1_error_pages, (
+    "mitmproxy.proxy.layers.http._http1:make_error_response",
+    "mitmproxy.proxy.layers.http._http1:Http1Server.send",
+    "mitmproxy.proxy.layers.http._http1:Http1Server.read_headers",
+    "mitmproxy.proxy.layers.http._http1:Http1Connection._handle_event",
+))
+
+
+# ---- socks5_login ------------------------------------------------------------
+#
+# mitmproxy's SOCKS5 layer asks for username/password (RFC 1929) only when
+# its `proxyauth` option is set, for every client (`Socks5Proxy.state_greet`),
+# and Sluice has no such option. Once enabled (`set_socks5_login`, by
+# addons/gate.py), a client whose greeting offers username/password is asked
+# for it, so its credentials identify a client profile as Proxy-Authorization
+# does; mitmproxy then runs its own `state_auth`, which asks the
+# `socks5_auth` hook. A client that offers only "no authentication" is
+# greeted as shipped (and known by its source address).
+
+_socks5_login = False
+
+
+def set_socks5_login(enabled: bool) -> None:
+    global _socks5_login
+    _socks5_login = enabled
+
+
+def _patch_socks5_login() -> None:
+    from mitmproxy.proxy.layers import modes
+
+    def make(original):
+        def state_greet(self):
+            buf = self.buf
+            if (_socks5_login and len(buf) >= 2 and buf[0] == modes.SOCKS5_VERSION and len(buf) >= 2 + buf[1]
+                    and modes.SOCKS5_METHOD_USER_PASSWORD_AUTHENTICATION in buf[2:2 + buf[1]]):
+                yield commands.SendData(self.context.client, bytes(
+                    [modes.SOCKS5_VERSION, modes.SOCKS5_METHOD_USER_PASSWORD_AUTHENTICATION]))
+                self.buf = buf[2 + buf[1]:]
+                self.state = self.state_auth
+                return (yield from self.state())
+            return (yield from original(self))
+        return state_greet
+
+    # The class attribute `state` (the greeting, Socks5Proxy.state_greet) is
+    # what a new layer starts in; state_greet itself is never looked up by name.
+    _wrap_once(modes.Socks5Proxy, "state", "__sluice_socks5_login__", make)
+
+
+PATCHES["socks5_login"] = (_patch_socks5_login, (
+    "mitmproxy.proxy.layers.modes:Socks5Proxy.state_greet",
+    "mitmproxy.proxy.layers.modes:Socks5Proxy.state_auth",
+    "mitmproxy.proxy.layers.modes:Socks5Proxy._handle_event",
+))
+
+
+# ---- refused_body_discard ----------------------------------------------------
+#
+# A response set in `requestheaders` (every refusal the gate or a cap makes
+# before the body) is sent by mitmproxy only after the request body has
+# arrived, and `HttpStream.state_consume_request_body` buffers that body whole
+# in memory first: a refused 1 GiB upload would be held in RAM only to be
+# thrown away. Once the answer is decided, the body is dropped as it arrives.
+
+def _patch_refused_body_discard() -> None:
+    from mitmproxy.proxy.layers.http import HttpStream
+    from mitmproxy.proxy.layers.http._events import RequestData
+
+    def make(original):
+        def state_consume_request_body(self, event):
+            if isinstance(event, RequestData) and self.flow is not None and self.flow.response is not None:
+                return (yield from ())  # decided already: never buffered, never forwarded
+            return (yield from original(self, event))
+        return state_consume_request_body
+
+    _wrap_once(HttpStream, "state_consume_request_body", "__sluice_refused_body_discard__", make)
+
+
+PATCHES["refused_body_discard"] = (_patch_refused_body_discard, (
+    "mitmproxy.proxy.layers.http:HttpStream.state_consume_request_body",
+    "mitmproxy.proxy.layers.http:HttpStream.state_wait_for_request_headers",
+))
+
+
+# ---- http1_leading_blank_lines ----------------------------------------------
+#
+# RFC 9112 2.2: a server should ignore empty lines received before a request
+# line. h11's `ReceiveBuffer.maybe_extract_lines` consumes one such line per
+# call and reports "no head yet", and `Http1Server.read_headers` calls it
+# once per read: a request sent in one packet after a CRLF would wait,
+# unparsed, for bytes the client never sends. Leading empty lines are dropped
+# before the head is read, up to max_header_bytes of them per head (beyond
+# that the head size cap refuses the connection).
+
+def _patch_http1_leading_blank_lines() -> None:
+    def make(original):
+        def read_headers(self, event):
+            if isinstance(event, events.DataReceived):
+                data = self.buf._data
+                skip = 0
+                while True:
+                    if data[skip:skip + 2] == b"\r\n":
+                        skip += 2
+                    elif data[skip:skip + 1] == b"\n":
+                        skip += 1
+                    else:
+                        break
+                limits = _head_guard.head_limits() if _head_guard is not None else None
+                seen = getattr(self, "_sluice_blank_bytes", 0) + skip
+                if skip and (limits is None or seen <= limits.max_header_bytes):
+                    # Past max_header_bytes of them, they stay and the head
+                    # size cap refuses the connection.
+                    self.buf.maybe_extract_at_most(skip)
+                self._sluice_blank_bytes = seen if not self.buf else 0
+            return (yield from original(self, event))
+        return read_headers
+
+    _wrap_once(Http1Server, "read_headers", "__sluice_http1_leading_blank_lines__", make)
+
+
+PATCHES["http1_leading_blank_lines"] = (_patch_http1_leading_blank_lines, (
+    "mitmproxy.proxy.layers.http._http1:Http1Server.read_headers",
+    "h11._receivebuffer:ReceiveBuffer.maybe_extract_lines",
+    "h11._receivebuffer:ReceiveBuffer.maybe_extract_at_most",
 ))

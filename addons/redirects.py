@@ -41,7 +41,7 @@ from mitmproxy.net.http.http1 import expected_http_body_size
 from addons import connections
 from addons.failsafe import fail_closed
 from addons.policy_source import PolicySource
-from addons.refusals import answer_now, refusal_response
+from addons.refusals import RefusalBody, answer_now, plain_http1, refusal_in_place_of
 from addons.resolver import decide
 from addons.verdict import verdict_of
 from policy.decide import Destination
@@ -82,10 +82,10 @@ class RedirectGuard:
                 f"the response redirects to {target.url}, which this policy refuses ({decision.refusal.reason.value}: {decision.refusal.detail})",
             )
         verdict.cap = refusal
-        if _plain_http1(flow) and not _ends_with_headers(flow):
+        if plain_http1(flow) and not _ends_with_headers(flow):
             answer_now(flow, refusal)
             return
-        flow.response = _refusal_in_place_of(flow, refusal)
+        flow.response = refusal_in_place_of(flow, refusal)
         remaining = verdict.started + verdict.limits.request_timeout - time.time()
         self._deadlines[flow.id] = asyncio.get_running_loop().call_later(max(0.0, remaining), self._expired, flow)
 
@@ -93,7 +93,7 @@ class RedirectGuard:
     def response(self, flow: http.HTTPFlow) -> None:
         self._forget(flow)
         body = flow.response.stream if flow.response is not None else None
-        if not isinstance(body, _RefusalBody):
+        if not isinstance(body, RefusalBody):
             return
         flow.response.trailers = None  # the origin's trailers are not the refusal's
         if not body.sent:
@@ -118,12 +118,6 @@ class RedirectGuard:
             connections.close_client(flow.client_conn)
 
 
-def _plain_http1(flow: http.HTTPFlow) -> bool:
-    """The client speaks HTTP/1 straight on its socket (no TLS that only
-    mitmproxy's layers can write), so bytes can be written to it directly."""
-    return not (flow.client_conn.tls or flow.request.is_http2 or flow.request.is_http3)
-
-
 def _ends_with_headers(flow: http.HTTPFlow) -> bool:
     """mitmproxy's own reading of this HTTP/1 response (the same function
     its HTTP/1 client uses): no body follows its headers."""
@@ -134,29 +128,3 @@ def _ends_with_headers(flow: http.HTTPFlow) -> bool:
         return expected_http_body_size(flow.request, response) == 0
     except ValueError:
         return False
-
-
-def _refusal_in_place_of(flow: http.HTTPFlow, refusal: Refusal) -> http.Response:
-    """A fresh response (the origin's object stays with mitmproxy's HTTP/1
-    client, which still frames and reuses the upstream connection by it)."""
-    response = refusal_response(refusal)  # Content-Length: the body's length
-    response.timestamp_start = flow.response.timestamp_start
-    response.stream = _RefusalBody(b"" if flow.request.method.upper() == "HEAD" else response.raw_content)
-    return response
-
-
-class _RefusalBody:
-    """Stream callable: the whole refusal body on the first call (origin data
-    or the origin's end of body), nothing after it; origin bytes are dropped."""
-
-    __slots__ = ("body", "sent")
-
-    def __init__(self, body: bytes) -> None:
-        self.body = body
-        self.sent = False
-
-    def __call__(self, chunk: bytes) -> bytes | list[bytes]:
-        if self.sent:
-            return []  # b"" would be a zero-length chunk: an end of body
-        self.sent = True
-        return self.body if self.body else []

@@ -48,15 +48,88 @@ def refusal_response(refusal: Refusal) -> http.Response:
     return http.Response.make(refusal.status, refusal_body(refusal), refusal_headers(refusal))
 
 
+def refusal_bytes(refusal: Refusal) -> bytes:
+    """The whole refusal as raw HTTP/1 (Connection: close): for a client
+    that gets it in place of one of mitmproxy's own error pages."""
+    return connections.http1_response_bytes(
+        refusal.status, status_codes.RESPONSES.get(refusal.status, ""), refusal_headers(refusal), refusal_body(refusal)
+    )
+
+
+def error_response(status: int, message: str) -> http.Response:
+    """A failure that is not a refusal (the origin could not be reached or
+    answered badly), in place of mitmproxy's own answer: plain text, no
+    `Sluice-Reason` (no rule refused anything)."""
+    phrase = status_codes.RESPONSES.get(status, "")
+    text = "".join(c if " " <= c <= "~" else "?" for c in message)[:300].strip().rstrip(". ")
+    body = f"Sluice could not complete this request ({status} {phrase}): {text or 'no details'}.\n".encode()
+    headers = {"Content-Type": "text/plain; charset=utf-8", "Proxy-Status": "sluice", "Cache-Control": "no-store"}
+    return http.Response.make(status, body, headers)
+
+
+def error_bytes(status: int, message: str) -> bytes:
+    """error_response as raw HTTP/1 (Connection: close), in place of one of
+    mitmproxy's HTML error pages."""
+    response = error_response(status, message)
+    headers = {k: v for k, v in response.headers.items() if k.lower() != "content-length"}
+    return connections.http1_response_bytes(status, response.reason, headers, response.raw_content)
+
+
 def answer_now(f: http.HTTPFlow, refusal: Refusal) -> None:
-    """Refuse an exchange whose response mitmproxy has not started sending:
-    write the refusal straight to an HTTP/1 client and close the connection
-    (an HTTP/2 stream is just killed). Used where setting flow.response is
-    too late or would make mitmproxy buffer a body first."""
-    if not (f.request.is_http2 or f.request.is_http3):
+    """Refuse an exchange whose response mitmproxy has not started sending,
+    without waiting for (or buffering) a body.
+
+    - A plain-text HTTP/1 client: the refusal is written straight to its
+      socket and the connection closed.
+    - A client only mitmproxy's layers can write to (TLS inside an
+      intercepted tunnel, HTTP/2): the refusal becomes the flow's response.
+      Before the request body, mitmproxy then sends it once the client's body
+      has arrived (which mitmproxy drops, never buffers: mitm_patches
+      `refused_body_discard`); after the origin's response headers, it
+      replaces that response and the origin's body is dropped as it streams."""
+    if plain_http1(f):
         raw = connections.http1_response_bytes(
             refusal.status, status_codes.RESPONSES.get(refusal.status, ""), refusal_headers(refusal), refusal_body(refusal)
         )
         connections.write_to_client(f.client_conn, raw)
-    if f.killable:
-        f.kill()
+        if f.killable:
+            f.kill()
+        return
+    if f.response is None:
+        f.response = refusal_response(refusal)
+        if not f.request.is_http2 and not f.request.is_http3:
+            f.response.headers["Connection"] = "close"
+    else:
+        f.response = refusal_in_place_of(f, refusal)
+
+
+def plain_http1(flow: http.HTTPFlow) -> bool:
+    """The client speaks HTTP/1 straight on its socket (no TLS that only
+    mitmproxy's layers can write), so bytes can be written to it directly."""
+    return not (flow.client_conn.tls or flow.request.is_http2 or flow.request.is_http3)
+
+
+def refusal_in_place_of(flow: http.HTTPFlow, refusal: Refusal) -> http.Response:
+    """A fresh response (the origin's object stays with mitmproxy's HTTP/1
+    client, which still frames and reuses the upstream connection by it)."""
+    response = refusal_response(refusal)  # Content-Length: the body's length
+    response.timestamp_start = flow.response.timestamp_start
+    response.stream = RefusalBody(b"" if flow.request.method.upper() == "HEAD" else response.raw_content)
+    return response
+
+
+class RefusalBody:
+    """Stream callable: the whole refusal body on the first call (origin data
+    or the origin's end of body), nothing after it; origin bytes are dropped."""
+
+    __slots__ = ("body", "sent")
+
+    def __init__(self, body: bytes) -> None:
+        self.body = body
+        self.sent = False
+
+    def __call__(self, chunk: bytes) -> bytes | list[bytes]:
+        if self.sent:
+            return []  # b"" would be a zero-length chunk: an end of body
+        self.sent = True
+        return self.body if self.body else []

@@ -22,7 +22,7 @@ def make_addons() -> list:
     audit = AuditLog()
     source = PolicySource(audit)
     caps = Caps(source, audit)
-    return [Guardrails(), source, ConnectionAudit(audit), EgressGate(source, audit, caps), RedirectGuard(source), UpgradeGuard(caps), caps, HeadLimits(source, audit), audit]
+    return [Guardrails(), source, ConnectionAudit(audit), EgressGate(source, audit, caps), RedirectGuard(source), UpgradeGuard(caps, source), caps, HeadLimits(source, audit), audit]
 
 
 addons = make_addons()

@@ -20,6 +20,8 @@ from mitmproxy import http, tcp
 
 from addons.caps import Caps, size_text
 from addons.failsafe import fail_closed
+from addons.gate import still_allowed
+from addons.policy_source import LivePolicy, PolicySource
 from addons.refusals import refusal_response
 from addons.verdict import META, Verdict, verdict_of
 from policy.reasons import Reason, Refusal
@@ -30,11 +32,17 @@ def _tokens(value: str) -> set[str]:
 
 
 class UpgradeGuard:
-    def __init__(self, caps: Caps) -> None:
+    def __init__(self, caps: Caps, source: PolicySource) -> None:
         self.caps = caps
+        self.source = source
+        # client id -> its open upgraded pipes, which a reload re-decides.
+        self._pipes: dict[str, list[Verdict]] = {}
         # server connection id -> (client id, the accepted upgrade's request
         # verdict), until its TCP pipe starts.
         self._accepted: dict[str, tuple[str, Verdict]] = {}
+
+    def load(self, loader) -> None:
+        self.source.on_reload(self.revoke_refused_pipes)
 
     @fail_closed()
     def requestheaders(self, flow: http.HTTPFlow) -> None:
@@ -67,9 +75,11 @@ class UpgradeGuard:
         if accepted is None:
             return
         upgraded = accepted[1]
-        pipe = Verdict(upgraded.host, upgraded.port, upgraded.decision, upgraded.profile, upgraded.rules)
+        pipe = Verdict(upgraded.host, upgraded.port, upgraded.decision, upgraded.profile, upgraded.rules,
+                       method=upgraded.method)
         pipe.client = flow.client_conn
         flow.metadata[META] = pipe
+        self._pipes.setdefault(flow.client_conn.id, []).append(pipe)
         self.caps.watch_tunnel(flow.client_conn, pipe)
 
     def tcp_message(self, flow: tcp.TCPFlow) -> None:
@@ -96,6 +106,19 @@ class UpgradeGuard:
             self.caps.cut_tunnel(flow.client_conn, pipe, Refusal(
                 Reason.TUNNEL_TOO_LARGE, f"the upgraded connection carried more than this policy's {size_text(cap)} cap in one direction"))
 
+    def revoke_refused_pipes(self, live: LivePolicy) -> None:
+        """After a reload, like the gate's tunnels: a pipe whose destination
+        (or request) the new policy refuses is closed."""
+        for pipes in list(self._pipes.values()):
+            for pipe in pipes:
+                if pipe.logged or pipe.cap is not None:
+                    continue
+                refusal = still_allowed(live.policy, pipe)
+                if refusal is not None:
+                    self.caps.cut_tunnel(pipe.client, pipe, Refusal(
+                        Reason.TUNNEL_REVOKED, f"the reloaded policy refuses this upgraded connection ({refusal.reason.value}: {refusal.detail})"))
+
     def client_disconnected(self, client) -> None:
+        self._pipes.pop(client.id, None)
         for server_id in [k for k, (client_id, _) in self._accepted.items() if client_id == client.id]:
             self._accepted.pop(server_id, None)

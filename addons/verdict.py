@@ -23,6 +23,7 @@ class Verdict:
     profile: str | None
     rules: Rules | None  # the profile's rules (None when the client itself was refused)
     intercept: bool = False  # a tunnel whose TLS the proxy terminates
+    method: str | None = None  # the method it was decided with (CONNECT for a tunnel; None for SOCKS5)
     started: float = field(default_factory=time.time)
     cap: Refusal | None = None  # a cap or guard that cut the exchange after the decision
     bytes_from_client: int = 0

@@ -9,7 +9,7 @@ from mitmproxy import connection
 from mitmproxy.proxy.server_hooks import ServerConnectionHookData
 
 from addons import connections, gate
-from addons.gate import EgressGate, _canonical_ip, _fronting, _live_rules, _still_allowed
+from addons.gate import EgressGate, _canonical_ip, _fronting, _live_rules, still_allowed
 from addons.verdict import Verdict
 from policy.decide import Decision
 from policy.loader import load_policy_text
@@ -96,14 +96,14 @@ def policy(text: str):
 
 def test_a_reload_refuses_a_tunnel_by_host_port_and_pinned_address_without_dns():
     old = _tunnel("public.example", 443, "8.8.8.8")
-    assert _still_allowed(policy("version: 1\n"), old) is None
-    assert _still_allowed(policy("version: 1\ndeny: [public.example]\n"), old).reason == "host_denied"
-    assert _still_allowed(policy("version: 1\nports: [80]\n"), old).reason == "port_not_allowed"
-    assert _still_allowed(policy("version: 1\nallow: [other.example]\n"), old).reason == "host_not_allowed"
+    assert still_allowed(policy("version: 1\n"), old) is None
+    assert still_allowed(policy("version: 1\ndeny: [public.example]\n"), old).reason == "host_denied"
+    assert still_allowed(policy("version: 1\nports: [80]\n"), old).reason == "port_not_allowed"
+    assert still_allowed(policy("version: 1\nallow: [other.example]\n"), old).reason == "host_not_allowed"
     # A tunnel to a private address opened by private_networks, closed when that goes.
     private = _tunnel("10.0.0.1", 443, "10.0.0.1")
-    assert _still_allowed(policy("version: 1\nprivate_networks: [10.0.0.0/8]\n"), private) is None
-    assert _still_allowed(policy("version: 1\n"), private).reason == "address_not_public"
+    assert still_allowed(policy("version: 1\nprivate_networks: [10.0.0.0/8]\n"), private) is None
+    assert still_allowed(policy("version: 1\n"), private).reason == "address_not_public"
 
 
 def test_live_rules_follow_the_profile_and_refuse_when_it_is_gone():
@@ -113,7 +113,7 @@ def test_live_rules_follow_the_profile_and_refuse_when_it_is_gone():
     assert _live_rules(p, None) is p.rules
     strict = policy("version: 1\nrequire_client: true\nclients:\n  - name: ci\n    sources: [10.0.0.0/8]\n")
     assert _live_rules(strict, None) is None  # anonymous tunnels are refused once require_client is on
-    assert _still_allowed(strict, _tunnel("public.example", 443, "8.8.8.8")).reason == "client_unknown"
+    assert still_allowed(strict, _tunnel("public.example", 443, "8.8.8.8")).reason == "client_unknown"
 
 
 @pytest.mark.parametrize("host_header,sni,authority,refused", [
@@ -164,3 +164,12 @@ def test_replacement_host_headers_are_well_formed():
     assert gate._authority("http", "a.example", 8080) == "a.example:8080"
     assert gate._authority("https", "2606:4700:4700::1111", 443) == "[2606:4700:4700::1111]"
     assert gate._authority("https", "2606:4700:4700::1111", 8443) == "[2606:4700:4700::1111]:8443"
+
+
+def test_a_connect_tunnel_is_re_decided_with_its_method():
+    tunnel = _tunnel("public.example", 443, "8.8.8.8")
+    tunnel.method = "CONNECT"
+    assert still_allowed(policy("version: 1\nmethods: [GET, CONNECT]\n"), tunnel) is None
+    assert still_allowed(policy("version: 1\nmethods: [GET]\n"), tunnel).reason == "method_not_allowed"
+    socks = _tunnel("public.example", 443, "8.8.8.8")  # SOCKS5: no method was ever decided
+    assert still_allowed(policy("version: 1\nmethods: [GET]\n"), socks) is None

@@ -37,6 +37,8 @@ RECORDED = {
     "mitmproxy.proxy.layers.http:HttpStream.state_wait_for_request_headers": "3706d5d5ce01dcd4",
     "mitmproxy.proxy.server:ConnectionHandler.wakeup": "6e42e075ee5fa3df",
     "mitmproxy.proxy.server:ConnectionHandler.open_connection": "5e0b3cbaf7a4030a",
+    "mitmproxy.proxy.layers.http:HttpStream.state_consume_request_body": "45459c1bbd8bdb1a",
+    "h11._receivebuffer:ReceiveBuffer.maybe_extract_at_most": "a283b372f1fb7393",
     "mitmproxy.proxy.server:ConnectionHandler.handle_connection": "95c3f93e9824e527",
     "mitmproxy.proxy.server:ConnectionHandler.server_event": "a2b42657ebe8bf6d",
     "mitmproxy.proxy.layers.modes:Socks5Proxy.socks_err": "25dc8e9d3b91ec95",
@@ -45,6 +47,8 @@ RECORDED = {
     "mitmproxy.proxy.layers.modes:Socks5Proxy.state_connect": "1f22acee40d5061e",
     "mitmproxy.proxy.layers.http._http1:make_error_response": "03ce75ab62e8e78b",
     "mitmproxy.proxy.layers.http:HttpStream._handle_event": "e3cbfef7310ae81f",
+    "mitmproxy.proxy.layers.http._http1:Http1Server.send": "cc218a1337c0f5cf",
+    "mitmproxy.proxy.layers.modes:Socks5Proxy._handle_event": "89b26466b40d47ee",
 }
 
 
@@ -331,3 +335,10 @@ def test_dial_check_refuses_before_connecting_and_admits_what_it_approves():
 
     # (That mitmproxy's handler sets its client around the real dial is shown
     # end to end in tests/integration/test_front_door.py, dial check tests.)
+
+
+def test_a_request_after_leading_empty_lines_is_read_in_the_same_read(guard):
+    # RFC 9112 2.2; mitmproxy alone would wait for more bytes that never come.
+    server, client = make_server()
+    cmds = feed(server, client, b"\r\n\r\n\nGET http://example.com/ HTTP/1.1\r\nHost: example.com\r\n\r\n")
+    assert guard.refused == [] and len(heads(cmds)) == 1
