@@ -444,3 +444,34 @@ def test_a_connect_inside_an_intercepted_tunnel_is_refused(intercepting, origin,
     assert head.startswith((b"HTTP/1.1 400", b"HTTP/1.1 403")), head
     assert net.origin("1.1.1.1", 80).connections == before
     assert origin.requests == []
+
+
+# ------------------------------------------------------------ refused bodies
+
+
+def _rss_kib(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    raise AssertionError("no VmRSS")
+
+
+def test_the_body_of_a_refused_request_is_never_buffered(proxy):
+    """A response set before the body (every refusal) is sent once the body
+    has arrived: mitmproxy used to hold that whole body in memory first."""
+    before = _rss_kib(proxy.proc.pid)
+    size = 96 * MIB
+    with socket.create_connection(proxy.address, timeout=30) as s:
+        s.sendall(b"POST http://169.254.169.254/upload HTTP/1.1\r\nHost: 169.254.169.254\r\n"
+                  b"Content-Length: %d\r\n\r\n" % size)
+        block = b"\0" * (256 * 1024)
+        sent = 0
+        try:
+            while sent < size:
+                s.sendall(block)
+                sent += len(block)
+        except OSError:
+            pass  # answered and closed early is fine too
+        head = s.recv(4096)
+    assert head.startswith(b"HTTP/1.1 403") and b"address_not_public" in head, head[:200]
+    assert _rss_kib(proxy.proc.pid) - before < 24 * 1024
