@@ -84,7 +84,7 @@ def _parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     proxy = sub.add_parser("proxy", help="run the proxy in the foreground")
-    proxy.add_argument("--policy", default="config/policy.yaml", help="policy YAML (default: %(default)s)")
+    proxy.add_argument("--policy", default="config/policy.yaml", metavar="FILE", help="policy YAML (default: %(default)s)")
     proxy.add_argument("--listen", default="127.0.0.1:8080", help="HOST:PORT for the listeners (default: %(default)s)")
     proxy.add_argument("--mode", action="append", default=[], metavar="SPEC",
                        help="mitmproxy mode spec, repeatable: regular (default), socks5@1080, transparent, ...")
@@ -186,9 +186,10 @@ def _quiet_stdio() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     try:
-        code = _main(argv)
-        sys.stdout.flush()  # inside the try: a reader gone by now is a broken pipe too
-        return code
+        try:
+            return _main(argv)  # SystemExit too: argparse's --help, --version and usage errors
+        finally:
+            sys.stdout.flush()  # inside the try: a reader gone by now is a broken pipe too
     except BrokenPipeError:
         _quiet_stdio()
         return EXIT_BROKEN_PIPE

@@ -119,6 +119,9 @@ def summarise(policy: Policy) -> list[str]:
         lines += _rules_lines(profile.rules, "    ")
     if policy.require_client:
         lines.append("  clients matching no profile are refused (407)")
+    limits = policy.rules.limits
+    lines.append(f"  request heads (every client): at most {_size(limits.max_header_bytes)} and "
+                 f"{limits.max_header_count} fields, whole within {_seconds(limits.header_timeout)}")
     return lines
 
 
@@ -144,6 +147,54 @@ def _rules_lines(rules: Rules, indent: str) -> list[str]:
         out.append(f"{indent}private networks opened: {', '.join(e.rule.text for e in rules.private_networks.entries)}")
     else:
         out.append(f"{indent}no private networks opened (public internet only)")
+    if rules.strip_request_headers:
+        out.append(f"{indent}strips request headers: {', '.join(sorted(rules.strip_request_headers, key=str.lower))}")
+    out.append(f"{indent}{_limits_line(rules.limits)}")
+    out += [f"{indent}{line}" for line in _unreachable(rules)]
+    return out
+
+
+def _size(n: int) -> str:
+    for unit, name in ((1 << 30, "GiB"), (1 << 20, "MiB"), (1 << 10, "KiB")):
+        if n >= unit and n % unit == 0:
+            return f"{n // unit}{name}"
+    return f"{n}B"
+
+
+def _seconds(s: float) -> str:
+    for unit, name in ((3600, "h"), (60, "m")):
+        if s >= unit and s % unit == 0:
+            return f"{s / unit:g}{name}"
+    return f"{s:g}s"
+
+
+def _limits_line(limits) -> str:
+    tunnel_bytes = f"{_size(limits.tunnel_max_bytes)} each way" if limits.tunnel_max_bytes is not None else "no byte cap"
+    tunnel_time = _seconds(limits.tunnel_max_seconds) if limits.tunnel_max_seconds is not None else "no time cap"
+    return (f"limits: connect {_seconds(limits.connect_timeout)}, request {_seconds(limits.request_timeout)}, "
+            f"idle {_seconds(limits.idle_timeout)}; bodies: request {_size(limits.max_request_bytes)}, "
+            f"response {_size(limits.max_response_bytes)}; tunnels: {tunnel_bytes}, {tunnel_time}")
+
+
+def _unreachable(rules: Rules) -> list[str]:
+    """A whole scheme (or everything) these rules can never reach, as summary lines."""
+    out = []
+    if rules.allow is not None and not rules.allow.everything and len(rules.allow) == 0:
+        out.append("unreachable: every host (allow is empty)")
+    for scheme, port in (("http", 80), ("https", 443)):
+        if port not in rules.ports:
+            out.append(f"unreachable: {scheme}:// on its default port {port} (not in ports)")
+    if rules.action == "report":
+        return out  # methods are logged, not enforced
+    if not rules.methods - {"CONNECT"}:
+        out.append("unreachable: every http:// request, and every request inside an intercepted tunnel "
+                   "(methods lists only CONNECT)")
+    if "CONNECT" not in rules.methods:
+        if not rules.intercept:
+            out.append("unreachable: https:// (clients reach HTTPS through CONNECT tunnels; CONNECT is not in "
+                       "methods and no host is intercepted)")
+        elif not rules.intercept.everything:
+            out.append("unreachable: https:// to hosts not under intercept (CONNECT is not in methods)")
     return out
 
 

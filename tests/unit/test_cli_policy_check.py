@@ -40,13 +40,17 @@ clients:
         "  reaches 2 allowed host pattern(s) on ports 80, 443, except 1 denied pattern(s)",
         "  methods: GET, HEAD",
         "  private networks opened: 10.0.0.5/32:8080",
+        "  limits: connect 10s, request 30s, idle 1m; bodies: request 1MiB, response 10MiB; tunnels: no byte cap, no time cap",
+        "  unreachable: https:// (clients reach HTTPS through CONNECT tunnels; CONNECT is not in methods and no host is intercepted)",
         "  DNS: 127.0.0.53:53, timeout 2s",
         "  client 'ci' (sources 10.20.0.0/16):",
         "    reaches 2 allowed host pattern(s) on ports 80, 443, except 1 denied pattern(s)",
         "    report mode: host and method refusals are logged, not enforced",
         "    methods: GET, HEAD",
         "    private networks opened: 10.0.0.5/32:8080",
+        "    limits: connect 10s, request 30s, idle 1m; bodies: request 1MiB, response 10MiB; tunnels: no byte cap, no time cap",
         "  clients matching no profile are refused (407)",
+        "  request heads (every client): at most 64KiB and 100 fields, whole within 10s",
     ]
 
 
