@@ -1,5 +1,8 @@
 # Sluice egress proxy. Build: docker build -t sluice .
-# Run:   docker run -p 8080:8080 -v $PWD/config/policy.yaml:/etc/sluice/policy.yaml:ro sluice
+# Run:   mkdir -p policy && cp config/policy.yaml policy/
+#        docker run -p 8080:8080 -v "$PWD/policy:/etc/sluice:ro" sluice
+#        Mount the directory, never the single file: a file bind mount keeps the old inode, so an
+#        editor's rename-over save is never seen inside and hot reload silently stops.
 # Agents: HTTP_PROXY=http://sluice:8080 HTTPS_PROXY=http://sluice:8080 (ALL_PROXY=socks5h://sluice:1080 with the SOCKS mode)
 FROM python:3.12-slim
 
@@ -20,7 +23,9 @@ COPY config/policy.yaml /etc/sluice/policy.yaml
 
 USER sluice
 EXPOSE 8080 1080
-# The policy is watched: mount a ConfigMap at /etc/sluice and edit it live.
+# The policy is watched: mount a directory or a ConfigMap at /etc/sluice and edit it live.
+# Listening on 0.0.0.0: mitmproxy's block_global stays on, so clients connecting from public
+# addresses are cut off (see README, Running it); private networks are served.
 ENTRYPOINT ["sluice", "proxy", "--policy", "/etc/sluice/policy.yaml", "--listen", "0.0.0.0:8080"]
 # Add e.g. `--mode regular --mode socks5@1080` or `--workers 2` as arguments.
 CMD []
