@@ -27,6 +27,14 @@ Each case writes exactly one line: it either turns the flow's verdict into
 the refusal (the audit log's own line then says it) or writes the line
 itself where no other line will be written. This addon runs before the gate,
 the caps and the audit log (addons/sluice_addon.py).
+
+What the client gets is Sluice's refusal too, never mitmproxy's HTML page
+with `Server: mitmproxy`: `mitm_patches` (`http1_error_pages`) asks
+`error_page` for the bytes to send instead, and it answers with the very
+refusal the audit line records (status, `Sluice-Reason`, sentence), or, for
+a failure that is no refusal (the origin could not be reached), plain text
+without a reason code. (A failed SOCKS5 login is audited by the gate's
+`socks5_auth` hook, which knows why it failed.)
 """
 
 from __future__ import annotations
@@ -40,8 +48,8 @@ from mitmproxy.proxy.server_hooks import ServerConnectionHookData
 
 from addons import connections, mitm_patches
 from addons.audit import AuditLog, peer, quote_client
-from addons.refusals import refusal_response
-from addons.verdict import verdict_of
+from addons.refusals import REASON_HEADER, error_bytes, error_response, refusal_bytes, refusal_response
+from addons.verdict import Verdict, verdict_of
 from policy.decide import Decision
 from policy.reasons import Reason, Refusal
 
@@ -60,6 +68,13 @@ class ConnectionAudit:
         # client id -> the proxy-loop refusal of its last dial, until the
         # flow that dialled takes it (or the connection ends without one).
         self._loops: dict[str, tuple[Refusal, str, int]] = {}
+        # client id -> the refusal its pending mitmproxy error page becomes
+        # (the one its audit line records), until `error_page` takes it.
+        self._answers: dict[str, Refusal] = {}
+        # client id -> a bad-head refusal mitmproxy already answered before
+        # any flow, for the flow that may still follow it (a head that
+        # parsed but whose body framing did not).
+        self._answered: dict[str, Refusal] = {}
 
     def load(self, loader) -> None:
         mitm_patches.install()  # idempotent; the refusal patches report here
@@ -82,11 +97,25 @@ class ConnectionAudit:
 
     def http_connect_error(self, flow: http.HTTPFlow) -> None:
         self._settle(flow)
+        response = flow.response
+        if response is not None and response.status_code == 502 and REASON_HEADER not in response.headers:
+            # mitmproxy's own "Cannot connect to ...: <error> If you plan to
+            # redirect requests away ...": the origin failed, no rule refused.
+            text = response.get_text(strict=False) or ""
+            flow.response = error_response(502, text.split(" If you plan to redirect", 1)[0])
 
     def _settle(self, flow: http.HTTPFlow) -> None:
         invalid = flow.metadata.pop(INVALID, None)
         if invalid is not None:
             self._invalid_request(flow, invalid)
+        answered = self._answered.pop(flow.client_conn.id, None)
+        verdict = verdict_of(flow)
+        if answered is not None and invalid is None and verdict is not None:
+            # The head parsed, its framing did not: mitmproxy answered 400
+            # (error_page) before the flow began; its line says so.
+            verdict.decision = dataclasses.replace(verdict.decision, allowed=False, refusal=answered, would_refuse=None)
+            verdict.cap = None
+            verdict.wire_status = answered.status
         loop = self._loops.pop(flow.client_conn.id, None)
         if loop is not None:
             self._loop_flow(flow, *loop)
@@ -94,9 +123,13 @@ class ConnectionAudit:
     def _invalid_request(self, flow: http.HTTPFlow, message: str) -> None:
         verdict = verdict_of(flow)
         if message.startswith("Invalid request scheme") and verdict is not None and not verdict.decision.allowed:
-            verdict.wire_status = 400  # mitmproxy's check is the gate's scheme rule: keep its reason
+            # mitmproxy's check is the gate's scheme rule: keep its reason,
+            # and answer with its refusal instead of mitmproxy's 400.
+            self._answer(flow.client_conn, verdict.decision.refusal, verdict)
+            verdict.wire_status = verdict.decision.refusal.status
             return
         refusal = Refusal(Reason.BAD_REQUEST, f"mitmproxy refused the request as malformed HTTP: {_validation_error(message)}")
+        self._answer(flow.client_conn, refusal, verdict)
         if verdict is None:  # a CONNECT (the gate decides those later) or a request it never saw
             request = flow.request
             self.audit.write(
@@ -106,9 +139,32 @@ class ConnectionAudit:
                 decision="refuse", reason=refusal.reason.value, status=400, detail=refusal.detail,
             )
             return
-        # Whatever the gate decided, the client got mitmproxy's 400.
+        # Whatever the gate decided, the client gets this 400.
         verdict.decision = dataclasses.replace(verdict.decision, allowed=False, refusal=refusal, would_refuse=None)
         verdict.wire_status = 400
+
+    # ---- Sluice's answer in place of mitmproxy's error pages --------------
+
+    def _answer(self, client: connection.Client, refusal: Refusal, verdict: Verdict | None = None) -> None:
+        """The client's next mitmproxy error page is this refusal (with the
+        operator's note for its rules, or the top level's)."""
+        rules = verdict.rules if verdict is not None and verdict.rules is not None else None
+        note = rules.refusal_note if rules is not None else _top_note()
+        self._answers[client.id] = refusal.with_note(note)
+
+    def error_page(self, client: connection.Client, status: int, message: str, *, in_tunnel: bool) -> bytes | None:
+        """mitm_patches `http1_error_pages`: the bytes sent instead of
+        mitmproxy's page. The refusal recorded for this client (its audit
+        line says the same); else, for a 400 (a head mitmproxy cannot
+        parse, audited by `client_refused`), that refusal; else (the origin
+        failed: no rule refused anything) plain text with mitmproxy's status."""
+        refusal = self._answers.pop(client.id, None)
+        if refusal is None and status == 400:
+            refusal = _bad_head(message, in_tunnel).with_note(_top_note())
+            self._answered[client.id] = refusal
+        if refusal is not None:
+            return refusal_bytes(refusal)
+        return error_bytes(status, _gate_message(message))
 
     # ---- connections back to the proxy itself -----------------------------
 
@@ -118,7 +174,7 @@ class ConnectionAudit:
             return
         host, port = server.address[:2]
         refusal = Refusal(Reason.PROXY_LOOP, f"{quote_client(str(host), 100)}:{port} is this proxy's own listening address, not a destination")
-        server.error = f"{refusal.reason.value}: {refusal.message}"  # what the client's 502 says
+        server.error = f"{refusal.reason.value}: {refusal.message}"  # why mitmproxy's dial failed
         self._loops[data.client.id] = (refusal, str(host), port)
         if isinstance(data.client.proxy_mode, mode_specs.Socks5Mode):
             # As the gate answers its SOCKS5 refusals: REP 2, not "host unreachable".
@@ -128,10 +184,14 @@ class ConnectionAudit:
     def _loop_flow(self, flow: http.HTTPFlow, refusal: Refusal, host: str, port: int) -> None:
         verdict = verdict_of(flow)
         if flow.request.method == "CONNECT" and flow.response is not None:
-            flow.response = refusal_response(refusal)  # sent after this hook, instead of mitmproxy's 502
-            status = None
+            flow.response = refusal_response(refusal.with_note(
+                verdict.rules.refusal_note if verdict is not None and verdict.rules is not None else _top_note()))
+            status = None  # sent after this hook, instead of mitmproxy's 502
         else:
-            status = 502  # mitmproxy's answer to the failed dial, carrying the reason
+            # mitmproxy answers the failed dial after this hook: error_page
+            # sends this refusal instead of its 502.
+            self._answer(flow.client_conn, refusal, verdict)
+            status = refusal.status
         if verdict is None:
             self.audit.write(event="connect" if flow.request.method == "CONNECT" else "request", id=flow.id,
                              client=peer(flow.client_conn), method=flow.request.method, host=host, port=port,
@@ -144,6 +204,8 @@ class ConnectionAudit:
         verdict.wire_status = status
 
     def client_disconnected(self, client: connection.Client) -> None:
+        self._answers.pop(client.id, None)
+        self._answered.pop(client.id, None)
         loop = self._loops.pop(client.id, None)
         if loop is not None:  # no flow took it (SOCKS5, transparent)
             refusal, host, port = loop
@@ -154,25 +216,55 @@ class ConnectionAudit:
     def client_refused(self, client: connection.Client, kind: str, message: str, *,
                        data: bytes = b"", request=None, in_tunnel: bool = False) -> None:
         if kind == mitm_patches.SOCKS5_REFUSED:
+            if message == "authentication failed":
+                return  # the gate's socks5_auth hook refused the login and wrote its line
             reason, detail = _socks_refusal(message, data)
             self.audit.write(event="connection", client=peer(client), decision="refuse",
                              reason=reason.value, detail=detail)
         elif kind == mitm_patches.HTTP_BAD_HEAD:
-            reason = Reason.NOT_HTTP if in_tunnel else Reason.BAD_REQUEST
-            what = "inside an intercepted tunnel, bytes that are not an HTTP request" if in_tunnel else "a request head mitmproxy cannot parse"
-            self.audit.write(event="request", client=peer(client), decision="refuse", reason=reason.value,
-                             status=400, detail=f"{what}: {quote_client(message)}")
+            self._answered.pop(client.id, None)  # no flow follows: this is its line
+            refusal = _bad_head(message, in_tunnel)
+            self.audit.write(event="request", client=peer(client), decision="refuse", reason=refusal.reason.value,
+                             status=400, detail=refusal.detail)
         elif kind == mitm_patches.HTTP_NO_DESTINATION and request is not None and request.data.method == b"PRI" \
                 and request.data.http_version == b"HTTP/2.0":
             # The HTTP/2 connection preface (h2c with prior knowledge), read as a request.
+            refusal = Refusal(Reason.CLIENT_PROTOCOL_REFUSED,
+                              "the client spoke HTTP/2 (prior knowledge) to the proxy itself; the proxy port is HTTP/1.1")
+            self._answer(client, refusal)
             self.audit.write(event="connection", client=peer(client), decision="refuse",
-                             reason=Reason.CLIENT_PROTOCOL_REFUSED.value, status=400,
-                             detail="the client spoke HTTP/2 (prior knowledge) to the proxy itself; the proxy port is HTTP/1.1")
+                             reason=refusal.reason.value, status=400, detail=refusal.detail)
         elif kind == mitm_patches.HTTP_NO_DESTINATION:
+            refusal = Refusal(Reason.BAD_REQUEST, "the request names no destination (an origin-form request without a Host header)")
+            self._answer(client, refusal)
             self.audit.write(event="request", client=peer(client),
                              method=quote_client(request.method, 20) if request is not None else None,
-                             decision="refuse", reason=Reason.BAD_REQUEST.value, status=400,
-                             detail="the request names no destination (an origin-form request without a Host header)")
+                             decision="refuse", reason=refusal.reason.value, status=400, detail=refusal.detail)
+
+
+def _bad_head(message: str, in_tunnel: bool) -> Refusal:
+    """A request head mitmproxy cannot parse (it answers 400 with no flow)."""
+    if in_tunnel:
+        return Refusal(Reason.NOT_HTTP, f"inside an intercepted tunnel, bytes that are not an HTTP request: {quote_client(message)}")
+    return Refusal(Reason.BAD_REQUEST, f"a request head mitmproxy cannot parse: {quote_client(message)}")
+
+
+def _top_note() -> str | None:
+    """The top-level `refusal_note`, for refusals made before any client is
+    known (mitmproxy's own 400s)."""
+    source = ctx.master.addons.get("policysource") if getattr(ctx, "master", None) is not None else None
+    live = getattr(source, "current", None)
+    return live.policy.rules.refusal_note if live is not None else None
+
+
+_REASON_PREFIX = re.compile(r"^([a-z_]+): (.*)$", re.S)
+
+
+def _gate_message(message: str) -> str:
+    """mitmproxy's text for a failed dial; a refusal Sluice made at dial time
+    (`reason: sentence`) is shown as its sentence."""
+    m = _REASON_PREFIX.match(message)
+    return m.group(2) if m and m.group(1) in Reason._value2member_map_ else message
 
 
 def _own_listener(server: connection.Server) -> bool:

@@ -1,5 +1,12 @@
-"""Who is asking: Proxy-Authorization Basic credentials or the source address,
-matched to a client profile by policy.clients (`identify`, then `checked`).
+"""Who is asking: Proxy-Authorization Basic credentials, SOCKS5
+username/password (RFC 1929) or the source address, matched to a client
+profile by policy.clients (`identify`, then `checked`).
+
+A SOCKS5 client authenticates once, in its handshake (`socks5_login`, from
+the gate's `socks5_auth` hook), before it names a destination; the profile
+its credentials matched is kept by client connection id until the
+connection ends (`forget`), and every `match` for that connection (the
+gate's `server_connect`) uses it, with the live policy's rules for it.
 
 Password verifiers (PBKDF2, 40-120 ms a check) must never stall the proxy:
 
@@ -39,8 +46,22 @@ from collections.abc import Awaitable, Callable, Hashable
 from concurrent.futures import ThreadPoolExecutor
 
 from mitmproxy import connection
+from mitmproxy.proxy import mode_specs
 
-from policy.clients import ClientMatch, PasswordCheck, checked, identify, throttled, verify_password
+from addons.audit import quote_client
+
+from policy.clients import (
+    VIA_HTTP,
+    VIA_SOCKS5,
+    VIA_SOURCE,
+    ClientMatch,
+    PasswordCheck,
+    checked,
+    identify,
+    profile_match,
+    throttled,
+    verify_password,
+)
 from policy.model import Policy
 
 PROXY_AUTHORIZATION = "Proxy-Authorization"
@@ -78,6 +99,23 @@ def parse_basic(header: str | None) -> tuple[str, str] | None:
         return None
     user, sep, password = decoded.partition(":")
     return (user, password) if sep else None
+
+
+def _source(client: connection.Client) -> str | None:
+    source = client.peername[0] if client.peername else None
+    if source and source.startswith("::ffff:"):
+        source = source[7:]  # dual-stack sockets report IPv4 clients as mapped
+    return source
+
+
+def _via(client: connection.Client) -> str:
+    """How this client could name itself, for a require_client refusal."""
+    mode = getattr(client, "proxy_mode", None)
+    if mode is None or isinstance(mode, (mode_specs.RegularMode, mode_specs.UpstreamMode)):
+        return VIA_HTTP
+    if isinstance(mode, mode_specs.Socks5Mode):
+        return VIA_SOCKS5
+    return VIA_SOURCE
 
 
 class FailureThrottle:
@@ -148,20 +186,48 @@ class ClientIdentifier:
         # Keys the success cache: its keys reveal nothing about passwords,
         # even to someone who reads the process's memory without this secret.
         self._cache_secret = os.urandom(32)
+        # client connection id -> (the profile its SOCKS5 login matched, the username).
+        self._socks_logins: dict[str, tuple[str | None, str]] = {}
 
     async def match(self, policy: Policy, client: connection.Client, authorization: str | None) -> ClientMatch:
-        source = client.peername[0] if client.peername else None
-        if source and source.startswith("::ffff:"):
-            source = source[7:]  # dual-stack sockets report IPv4 clients as mapped
+        login = self._socks_logins.get(getattr(client, "id", None)) if authorization is None else None
+        if login is not None:
+            # Identified by its SOCKS5 login: that profile, with today's rules.
+            return profile_match(policy, login[0])
+        source = _source(client)
         credentials = parse_basic(authorization)
         if authorization and credentials is None:
             credentials = ("", "")  # present but unreadable: treat as wrong credentials
         username, password = credentials if credentials else (None, None)
-        step = identify(policy, source, username, password)
+        step = identify(policy, source, username, password, _via(client))
         if isinstance(step, PasswordCheck):
             assert password is not None  # identify asks for a check only with a password
             return await self._check(policy, source, step, password)
         return step
+
+    async def socks5_login(self, policy: Policy, client: connection.Client, username: str, password: str) -> ClientMatch | None:
+        """A SOCKS5 username/password, checked exactly like Proxy-Authorization
+        (same verifiers, cache and throttles). None when credentials do not
+        count (the policy defines no users: the client is then known by its
+        source address); else the match, whose profile is kept for this
+        connection when the password is right."""
+        if not any(profile.credentials for profile in policy.clients):
+            return None
+        source = _source(client)
+        step = identify(policy, source, username, password, VIA_SOCKS5)
+        result = await self._check(policy, source, step, password) if isinstance(step, PasswordCheck) else step
+        if result.refusal is None:
+            self._socks_logins[client.id] = (result.profile, username)
+        return result
+
+    def socks5_user(self, client: connection.Client) -> str | None:
+        """The username this connection's SOCKS5 login matched, for the audit log."""
+        login = self._socks_logins.get(client.id)
+        return quote_client(login[1], 64) if login is not None else None
+
+    def forget(self, client: connection.Client) -> None:
+        """The client connection ended: drop its SOCKS5 login."""
+        self._socks_logins.pop(client.id, None)
 
     async def _check(self, policy: Policy, source: str | None, check: PasswordCheck, password: str) -> ClientMatch:
         key = self._cache_key(check.verifier, password) if check.verifier is not None else None

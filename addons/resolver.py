@@ -11,18 +11,20 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import dns.asyncresolver
 import dns.exception
+import dns.message
 import dns.name
 import dns.nameserver
 import dns.rdatatype
 import dns.resolver
 
 from policy.decide import Decision, Destination, check_answers, check_request
+from policy.hosts import internal_name
 from policy.model import DnsSettings, Rules
-from policy.reasons import Reason, Refusal
+from policy.reasons import DNS_NO_NAME_ADVICE, DNS_TRANSIENT_ADVICE, Reason, Refusal
 
 MAX_CNAME_HOPS = 8
 CACHE_ENTRIES = 10_000
@@ -38,12 +40,19 @@ class Resolution:
 
 class DnsFailure(Exception):
     """The name could not be resolved; `str()` is a phrase for the refusal.
-    `cacheable` failures (the name does not exist) are remembered briefly;
-    timeouts and server failures are not."""
 
-    def __init__(self, detail: str, *, cacheable: bool = False) -> None:
+    `transient` failures (a timeout, SERVFAIL, a refused query) may pass, so
+    the refusal says retrying later is reasonable; the others (NXDOMAIN, no
+    address records) will not, and are remembered briefly (`cacheable`).
+    `cnames` are the aliases the lookup passed through before it failed, so a
+    chain into an internal name is refused as that, not as a DNS failure."""
+
+    def __init__(self, detail: str, *, cacheable: bool = False, transient: bool = False,
+                 cnames: tuple[str, ...] = ()) -> None:
         super().__init__(detail)
         self.cacheable = cacheable
+        self.transient = transient
+        self.cnames = cnames
 
 
 class PinnedResolver:
@@ -112,6 +121,7 @@ class PinnedResolver:
         for r in results:
             if isinstance(r, DnsFailure):
                 failures.append(r)
+                cnames += [c for c in r.cnames if c not in cnames]
             elif isinstance(r, BaseException):
                 raise r
             else:
@@ -127,7 +137,12 @@ class PinnedResolver:
         if not addresses:
             if failures:
                 # One family's answer is enough; both failing fails closed.
-                raise failures[0]
+                # Report what is known best: a chain (it may name an
+                # internal alias), then "does not exist" over "timed out".
+                failure = max(failures, key=lambda f: (bool(f.cnames), not f.transient))
+                if cnames and not failure.cnames:
+                    failure.cnames = tuple(cnames)
+                raise failure
             raise DnsFailure(f"{name} has no A or AAAA records", cacheable=True)
         ttl = min(max(min(ttls), self.settings.min_ttl), self.settings.max_ttl)
         return Resolution(tuple(dict.fromkeys(addresses)), tuple(cnames), ttl)
@@ -138,27 +153,50 @@ class PinnedResolver:
         for _hop in range(MAX_CNAME_HOPS):
             try:
                 answer = await self._resolver.resolve(qname, rdtype, search=False, raise_on_no_answer=False)
-            except dns.resolver.NXDOMAIN:
-                raise DnsFailure(f"{name} does not exist (NXDOMAIN)", cacheable=True) from None
+            except dns.resolver.NXDOMAIN as e:
+                for response in e.kwargs.get("responses", {}).values():
+                    _add_chain(chain, response)  # the aliases the server followed to the missing name
+                missing = f"{name} is an alias (CNAME) of {chain[-1]}, which does not exist" if chain else f"{name} does not exist"
+                raise DnsFailure(f"{missing} (NXDOMAIN: no such name in DNS)", cacheable=True, cnames=tuple(chain)) from None
             except dns.resolver.LifetimeTimeout:
-                raise DnsFailure(f"the DNS lookup of {name} timed out after {self.settings.timeout:g}s") from None
+                raise DnsFailure(f"the DNS lookup of {_via(name, chain)} timed out after {self.settings.timeout:g}s",
+                                 transient=True, cnames=tuple(chain)) from None
             except dns.resolver.NoNameservers:
-                raise DnsFailure(f"no nameserver could answer for {name} (SERVFAIL or refused)") from None
+                raise DnsFailure(f"no nameserver could answer for {_via(name, chain)} (SERVFAIL or refused)",
+                                 transient=True, cnames=tuple(chain)) from None
             except dns.exception.DNSException as e:
-                raise DnsFailure(f"the DNS lookup of {name} failed ({type(e).__name__})") from None
-            chaining = answer.response.resolve_chaining()
-            for rrset in chaining.cnames:
-                for rdata in rrset:
-                    target = rdata.target.to_text(omit_final_dot=True).lower()
-                    if target not in chain:
-                        chain.append(target)
+                raise DnsFailure(f"the DNS lookup of {_via(name, chain)} failed ({type(e).__name__})",
+                                 transient=True, cnames=tuple(chain)) from None
+            chaining = _add_chain(chain, answer.response)
             if answer.rrset is not None:
                 addrs = [rdata.address for rdata in answer.rrset]
                 return addrs, chain, float(chaining.minimum_ttl)
             if answer.canonical_name == qname:
                 return [], chain, float(self.settings.min_ttl)  # no records of this type
             qname = answer.canonical_name  # the server stopped mid-chain: follow it ourselves
+            if internal_name(qname.to_text(omit_final_dot=True).lower()):
+                # Never ask about an internal name: the chain refuses it by name.
+                return [], chain, float(self.settings.min_ttl)
         raise DnsFailure(f"{name} has a CNAME chain longer than {MAX_CNAME_HOPS} hops")
+
+
+def _add_chain(chain: list[str], response: dns.message.Message):
+    """Append the CNAME targets a response's answer passes through to `chain`;
+    returns its ChainingResult (None if the response cannot be chained)."""
+    try:
+        chaining = response.resolve_chaining()
+    except dns.exception.DNSException:
+        return None
+    for rrset in chaining.cnames:
+        for rdata in rrset:
+            target = rdata.target.to_text(omit_final_dot=True).lower()
+            if target not in chain:
+                chain.append(target)
+    return chaining
+
+
+def _via(name: str, chain: list[str]) -> str:
+    return f"{name} (an alias of {chain[-1]})" if chain else name
 
 
 class StaticResolver:
@@ -177,12 +215,49 @@ class StaticResolver:
 
 async def decide(rules: Rules, dest: Destination, resolver: PinnedResolver | StaticResolver) -> Decision:
     """The whole decision for one destination: the pure checks, with the
-    lookup in between. The gate and `sluice policy explain` both use this."""
+    lookup in between. The gate and `sluice policy explain` both use this.
+    A refusal carries the rules' `refusal_note`."""
+    return _noted(await _decide(rules, dest, resolver), rules)
+
+
+async def _decide(rules: Rules, dest: Destination, resolver: PinnedResolver | StaticResolver) -> Decision:
     decision = check_request(rules, dest)
     if not decision.needs_dns:
         return decision
     try:
         resolution = await resolver.resolve(decision.host.name)
     except DnsFailure as failure:
-        return Decision(False, decision.host, Refusal(Reason.DNS_FAILED, str(failure)), port=dest.port)
-    return check_answers(rules, decision, resolution.addresses, resolution.cnames)
+        # An alias into an internal name is refused as that, whatever became
+        # of the lookup after it (the name it points to may well not exist).
+        aliased = _internal_alias(decision, failure.cnames)
+        if aliased is not None:
+            return aliased
+        advice = DNS_TRANSIENT_ADVICE if failure.transient else DNS_NO_NAME_ADVICE
+        return Decision(False, decision.host, Refusal(Reason.DNS_FAILED, str(failure), advice=advice), port=dest.port)
+    aliased = _internal_alias(decision, resolution.cnames)
+    if aliased is not None:
+        return aliased
+    decision = check_answers(rules, decision, resolution.addresses, resolution.cnames)
+    if decision.reason is Reason.DNS_FAILED and decision.refusal is not None:
+        # No address at the end of the chain: a fact about the name, not a passing failure.
+        decision = replace(decision, refusal=replace(decision.refusal, advice=DNS_NO_NAME_ADVICE))
+    return decision
+
+
+def _internal_alias(pending: Decision, cnames: tuple[str, ...]) -> Decision | None:
+    """The refusal for a CNAME chain that passes through an internal name,
+    naming that name and the chain to it (check_answers refuses the same
+    chains; this says which hops led there)."""
+    for i, alias in enumerate(cnames):
+        why = internal_name(alias)
+        if why:
+            chain = f" (chain: {' -> '.join((str(pending.host), *cnames[:i + 1]))})" if i else ""
+            refusal = Refusal(Reason.DNS_ANSWER_NOT_PUBLIC, f"{pending.host} is an alias (CNAME) of {alias}, which is {why}{chain}")
+            return Decision(False, pending.host, refusal, port=pending.port)
+    return None
+
+
+def _noted(decision: Decision, rules: Rules) -> Decision:
+    if decision.refusal is None or not rules.refusal_note:
+        return decision
+    return replace(decision, refusal=decision.refusal.with_note(rules.refusal_note))

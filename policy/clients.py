@@ -1,8 +1,8 @@
 """Which client profile's rules apply to a client: a pure function.
 
-A client is matched by its proxy username (Proxy-Authorization Basic, checked
-against the profile's verifier) or else by its source address (the most
-specific `sources` CIDR wins). Wrong credentials never fall back to another
+A client is matched by its proxy username (Proxy-Authorization Basic, or
+SOCKS5 username/password, checked against the profile's verifier) or else by
+its source address (the most specific `sources` CIDR wins). Wrong credentials never fall back to another
 profile. An unmatched client gets the top-level rules, unless
 `require_client` is set, which refuses it with 407.
 
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import os
 from dataclasses import dataclass
 
 import netaddr
@@ -30,11 +31,39 @@ class ClientMatch:
     refusal: Refusal | None = None  # set when the client must be refused (407)
 
 
+# How a client can name itself, for the message that asks it to.
+VIA_HTTP = "http"  # Proxy-Authorization (the HTTP proxy port)
+VIA_SOCKS5 = "socks5"  # SOCKS5 username/password (RFC 1929)
+VIA_SOURCE = "source"  # nothing but its source address (transparent mode)
+
+_KNOWN_CLIENTS_ONLY = {
+    VIA_HTTP: "this proxy serves only known clients; authenticate with the username and password you were given "
+              "(Proxy-Authorization)",
+    VIA_SOCKS5: "this proxy serves only known clients; authenticate with the username and password you were given "
+                "(SOCKS5 username/password authentication, e.g. socks5h://USER:PASSWORD@proxy:port)",
+    VIA_SOURCE: "this proxy serves only known clients, and this connection's source address matches no client "
+                "profile (a transparently redirected connection is known by its source address only)",
+}
+
+# A password_file's secret is kept only as an HMAC-SHA256 under this key,
+# made when the process starts and never written anywhere: no verifier a
+# policy file could hold matches it, and the file itself is what must be
+# protected. (Policy files take only salted, slow `pbkdf2_sha256` hashes.)
+_SECRET_KEY = os.urandom(32)
+SECRET_PREFIX = "secret-hmac$"
+
+
+def secret_verifier(secret: str) -> str:
+    """The in-memory verifier of a `password_file` secret."""
+    return SECRET_PREFIX + hmac.new(_SECRET_KEY, secret.encode(), hashlib.sha256).hexdigest()
+
+
 def verify_password(verifier: str, password: str) -> bool:
-    """Constant-time check of a password against a `password_hash` verifier."""
-    if verifier.startswith("sha256:"):
-        digest = hashlib.sha256(password.encode()).hexdigest()
-        return hmac.compare_digest(digest, verifier[7:])
+    """Constant-time check of a password against a verifier: a
+    `pbkdf2_sha256$...` password_hash, or a password_file's secret_verifier."""
+    if verifier.startswith(SECRET_PREFIX):
+        digest = hmac.new(_SECRET_KEY, password.encode(), hashlib.sha256).hexdigest()
+        return hmac.compare_digest(digest, verifier[len(SECRET_PREFIX):])
     parts = verifier.split("$")
     if len(parts) != 4 or parts[0] != "pbkdf2_sha256":
         return False
@@ -74,9 +103,12 @@ class PasswordCheck:
 
 def identify(
     policy: Policy, source: str | None, username: str | None = None, password: str | None = None,
+    via: str = VIA_HTTP,
 ) -> ClientMatch | PasswordCheck:
     """Everything that decides the client without hashing: a ClientMatch, or
-    the PasswordCheck whose result `checked` turns into one.
+    the PasswordCheck whose result `checked` turns into one. `via` is how the
+    client could have named itself (VIA_HTTP, VIA_SOCKS5, VIA_SOURCE): what
+    a `require_client` refusal tells it to do.
 
     Credentials count only when the policy defines users: an agent whose proxy
     URL carries a habitual user:pass is not refused by a policy without users."""
@@ -100,8 +132,22 @@ def identify(
             return ClientMatch(best[1].rules, best[1].name)
     if policy.require_client:
         return ClientMatch(policy.rules, None, Refusal(
-            Reason.CLIENT_UNKNOWN, "this proxy serves only known clients; authenticate with the username and password you were given (Proxy-Authorization)"))
+            Reason.CLIENT_UNKNOWN, _KNOWN_CLIENTS_ONLY.get(via, _KNOWN_CLIENTS_ONLY[VIA_HTTP]),
+            note=policy.rules.refusal_note))
     return ClientMatch(policy.rules, None)
+
+
+def profile_match(policy: Policy, name: str | None) -> ClientMatch:
+    """The client already identified as profile `name` (None: the top level),
+    with the rules the policy has for it now; refused if it is gone."""
+    if name is None:
+        return ClientMatch(policy.rules, None)
+    for profile in policy.clients:
+        if profile.name == name:
+            return ClientMatch(profile.rules, profile.name)
+    return ClientMatch(policy.rules, None, Refusal(
+        Reason.CLIENT_UNKNOWN, f"this connection's client profile {name!r} is no longer in the policy; reconnect",
+        note=policy.rules.refusal_note))
 
 
 def checked(policy: Policy, check: PasswordCheck, ok: bool) -> ClientMatch:
@@ -120,12 +166,13 @@ def throttled(policy: Policy, retry_after: int, busy: bool = False) -> ClientMat
         Reason.AUTH_THROTTLED,
         f"{why}; wait {retry_after} s (Retry-After) and retry once with the username and password your proxy URL "
         "carries, and check them if this repeats",
-        retry_after=retry_after))
+        retry_after=retry_after, note=policy.rules.refusal_note))
 
 
 def _wrong_credentials(policy: Policy) -> ClientMatch:
     return ClientMatch(policy.rules, None, Refusal(
-        Reason.CLIENT_UNKNOWN, "the proxy credentials were not accepted; check the username and password your proxy URL carries"))
+        Reason.CLIENT_UNKNOWN, "the proxy credentials were not accepted; check the username and password your proxy URL carries",
+        note=policy.rules.refusal_note))
 
 
 def match_client(
@@ -134,10 +181,11 @@ def match_client(
     username: str | None = None,
     password: str | None = None,
     verify=verify_password,
+    via: str = VIA_HTTP,
 ) -> ClientMatch:
     """`identify`, then `verify(verifier, password) -> bool` if a password
     decides: the whole match in one synchronous call (CLI, tests)."""
-    step = identify(policy, source, username, password)
+    step = identify(policy, source, username, password, via)
     if isinstance(step, PasswordCheck):
         return checked(policy, step, step.verifier is not None and verify(step.verifier, password))
     return step

@@ -20,9 +20,11 @@ from typing import Any, Callable
 
 import yaml
 
+from policy.clients import secret_verifier
 from policy.hosts import INTERNAL_SUFFIXES, internal_name
 from policy.matchers import AddressSet, HostMatcher, PatternError, parse_cidr, parse_host_pattern
 from policy.ranges import IPV4_NON_PUBLIC, IPV6_NON_PUBLIC, NonPublicRange
+from policy.reasons import MAX_NOTE_CHARS
 from policy.model import (
     STANDARD_METHODS,
     ClientProfile,
@@ -54,7 +56,8 @@ class PolicyInvalid(Exception):
 
 
 # Keys a profile may override, and the top level may set.
-RULE_KEYS = ("action", "allow", "deny", "ports", "methods", "private_networks", "limits", "intercept", "strip_request_headers")
+RULE_KEYS = ("action", "allow", "deny", "ports", "methods", "private_networks", "limits", "intercept", "strip_request_headers",
+             "refusal_note")
 TOP_KEYS = ("version",) + RULE_KEYS + ("dns", "clients", "require_client")
 PROFILE_KEYS = ("name", "users", "sources") + RULE_KEYS
 DNS_KEYS = tuple(f.name for f in fields(DnsSettings))
@@ -181,6 +184,17 @@ def parse_count(value: object) -> int:
     return value
 
 
+def _version_problem(version: object) -> str:
+    """What is wrong with a `version` value that is not the number 1."""
+    if isinstance(version, str):
+        return f"version is the string {_q(version)}; write the number 1 without quotes (`version: 1`)"
+    if isinstance(version, int) and not isinstance(version, bool):
+        return f"unsupported policy version {_q(version)}; this Sluice reads version 1"
+    kind = "a list or mapping" if version is _NOT_SCALAR else "empty" if version is None else \
+        f"a {'boolean' if isinstance(version, bool) else type(version).__name__} ({_q(version)})"
+    return f"version must be the number 1, not {kind}"
+
+
 def hash_password(password: str, *, iterations: int = 200_000, salt: bytes | None = None) -> str:
     """The verifier format `password_hash` takes: pbkdf2_sha256$ITER$SALT$HASH (hex)."""
     import os
@@ -193,7 +207,8 @@ def hash_password(password: str, *, iterations: int = 200_000, salt: bytes | Non
 def _check_verifier(text: str) -> str | None:
     """None if `text` is a well-formed verifier, else what is wrong."""
     if text.startswith("sha256:"):
-        return None if re.fullmatch(r"[0-9a-f]{64}", text[7:]) else "sha256: must be followed by 64 lowercase hex digits"
+        return ("unsalted 'sha256:' hashes are not accepted (one fast hash: a leaked policy gives the password "
+                "away); make a pbkdf2_sha256 hash with `sluice policy hash-password`, or use password_file")
     parts = text.split("$")
     if len(parts) == 4 and parts[0] == "pbkdf2_sha256" and parts[1].isdigit() and int(parts[1]) >= 10_000:
         try:
@@ -201,7 +216,7 @@ def _check_verifier(text: str) -> str | None:
             return None
         except ValueError:
             pass
-    return "expected 'pbkdf2_sha256$ITERATIONS$SALT$HASH' (from `sluice policy hash-password`) or 'sha256:<hex>'"
+    return "expected 'pbkdf2_sha256$ITERATIONS$SALT$HASH' (from `sluice policy hash-password`)"
 
 
 class _Reader:
@@ -339,6 +354,28 @@ class _Reader:
                 out.add(value.lower())
         return frozenset(out)
 
+    def note(self, node: yaml.Node, base: str | None) -> str | None:
+        """refusal_note: one line of text appended to refusals; null clears an inherited one."""
+        value = self.scalar(node)
+        if value is None:
+            return None
+        if not isinstance(value, str):
+            shown = ("a list or mapping" if value is _NOT_SCALAR else
+                     f"the {'boolean' if isinstance(value, bool) else 'number'} {_q(value)}"
+                     if isinstance(value, (bool, int, float)) else f"{_q(value)}")
+            self.problem(node, f"refusal_note must be text (one sentence appended to refusals), not {shown}")
+            return base
+        text = value.strip()
+        if not text:
+            self.problem(node, "refusal_note is empty; write a sentence (e.g. who to ask for access) or remove the key")
+        elif len(text) > MAX_NOTE_CHARS:
+            self.problem(node, f"refusal_note is {len(text)} characters; keep it to one sentence of at most {MAX_NOTE_CHARS}")
+        elif not text.isprintable():
+            self.problem(node, "refusal_note must be one line of printable text (no line breaks, tabs or control characters)")
+        else:
+            return text
+        return base
+
     def limits(self, node: yaml.Node, base: Limits) -> Limits:
         changes: dict[str, Any] = {}
         for key, (key_node, value_node) in self.mapping(node, LIMIT_KEYS, "limits").items():
@@ -405,6 +442,8 @@ class _Reader:
                 changes[key] = self.limits(value_node, base.limits)
             elif key == "strip_request_headers":
                 changes[key] = self.headers(value_node)
+            elif key == "refusal_note":
+                changes[key] = self.note(value_node, base.refusal_note)
         rules = replace(base, **changes)
         self._shadowed(rules, keys)
         self._never_match(rules, keys, top_level)
@@ -609,7 +648,7 @@ class _Reader:
         if not secret:
             self.problem(value_node, f"password_file for {_q(user)}: {_q(value)} is empty")
             return None
-        return "sha256:" + hashlib.sha256(secret.encode()).hexdigest()
+        return secret_verifier(secret)
 
 
 _NOT_SCALAR = object()
@@ -802,7 +841,7 @@ def _load_policy_text(text: str, file: str, read_secret: Callable[[str], str] | 
     else:
         version = reader.scalar(keys["version"][1])
         if isinstance(version, bool) or not isinstance(version, int) or version != 1:
-            reader.problem(keys["version"][1], f"unsupported policy version {_q(version)}; this Sluice reads version 1")
+            reader.problem(keys["version"][1], _version_problem(version))
     rule_keys = {k: v for k, v in keys.items() if k in RULE_KEYS}
     top = reader.rules(rule_keys, Rules())
     dns = reader.dns(keys["dns"][1]) if "dns" in keys else DnsSettings()

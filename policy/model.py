@@ -56,6 +56,9 @@ class Rules:
     limits: Limits = field(default_factory=Limits)
     intercept: HostMatcher = field(default_factory=HostMatcher)
     strip_request_headers: frozenset[str] = frozenset()
+    # The operator's own sentence, appended to the refusals these rules'
+    # clients get (who to ask for access, say).
+    refusal_note: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,8 +66,9 @@ class ClientProfile:
     name: str
     rules: Rules
     usernames: frozenset[str] = frozenset()
-    # username -> verifier ("sha256:<hex>", "pbkdf2_sha256$iter$salt$hash", or
-    # "file:<path>" resolved at load time to the secret's hash)
+    # username -> verifier: "pbkdf2_sha256$iter$salt$hash" (password_hash), or
+    # for a password_file the secret's keyed hash made at load time (see
+    # policy.clients.secret_verifier), or "file:<path>" when loaded from text
     credentials: tuple[tuple[str, str], ...] = ()
     sources: AddressSet = field(default_factory=AddressSet)
     origin: str = ""  # file:line where the profile is defined

@@ -6,7 +6,7 @@ response header and the audit log's `reason`). Add codes; never rename one.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import StrEnum
 
 
@@ -55,7 +55,7 @@ REASONS: dict[Reason, ReasonInfo] = {
     Reason.INTERNAL_HOSTNAME: ReasonInfo(403, "the host name is an internal name (localhost, *.internal, *.local, single-label, cluster and metadata names)"),
     Reason.MALFORMED_HOST: ReasonInfo(403, "the host is neither a valid DNS name nor an IP address"),
     Reason.DNS_ANSWER_NOT_PUBLIC: ReasonInfo(403, "the name resolved (directly or through a CNAME) to at least one non-public address"),
-    Reason.DNS_FAILED: ReasonInfo(502, "the name could not be resolved (no such name, no address, timeout); Sluice fails closed"),
+    Reason.DNS_FAILED: ReasonInfo(502, "the name could not be resolved; Sluice fails closed. No such name (NXDOMAIN) or no address: retrying will not help. A timeout or SERVFAIL may be transient: retrying later is reasonable"),
     Reason.PORT_NOT_ALLOWED: ReasonInfo(403, "the destination port is not in the policy's `ports`"),
     Reason.SCHEME_NOT_ALLOWED: ReasonInfo(403, "only http and https URLs may pass"),
     Reason.URL_CREDENTIALS: ReasonInfo(403, "the URL carries user:password@ credentials"),
@@ -84,11 +84,23 @@ REASONS: dict[Reason, ReasonInfo] = {
     Reason.PROXY_LOOP: ReasonInfo(403, "the destination is one of the proxy's own listening addresses"),
 }
 
-# Sent with every refusal so an agent knows this is deliberate and final.
+# Sent with every refusal so an agent knows this is deliberate and final
+# (unless the refusal gives its own advice, as a DNS failure does).
 POLICY_SUFFIX = (
     "This is the network's egress policy, not a transient error: do not retry "
     "or try another route; ask the operator if this access is needed."
 )
+# dns_failed: the lookup failed in a way that may pass (timeout, SERVFAIL).
+DNS_TRANSIENT_ADVICE = (
+    "This may be a temporary DNS failure, not the egress policy: retrying later "
+    "is reasonable; if it keeps failing, ask the operator."
+)
+# dns_failed: the name does not exist, or has no address.
+DNS_NO_NAME_ADVICE = (
+    "The name does not resolve, so retrying will not help: check the host name."
+)
+# The longest operator sentence (the policy's `refusal_note`) a refusal carries.
+MAX_NOTE_CHARS = 300
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,6 +109,8 @@ class Refusal:
     detail: str  # what was refused and why, e.g. "169.254.169.254 is link-local (cloud metadata)"
     rule: str | None = None  # where the deciding rule lives (file:line), when a rule decided
     retry_after: int | None = None  # seconds, sent as Retry-After (throttling refusals)
+    advice: str | None = None  # what to do, instead of POLICY_SUFFIX (e.g. a DNS failure that may pass)
+    note: str | None = None  # the operator's own sentence (the policy's `refusal_note`), appended last
 
     @property
     def status(self) -> int:
@@ -106,5 +120,14 @@ class Refusal:
     def message(self) -> str:
         if self.retry_after is not None:
             # Throttling is transient by design: say when to retry instead.
-            return f"Sluice refused this request: {self.detail}. Retry after {self.retry_after} s."
-        return f"Sluice refused this request: {self.detail}. {POLICY_SUFFIX}"
+            text = f"Sluice refused this request: {self.detail}. Retry after {self.retry_after} s."
+        else:
+            text = f"Sluice refused this request: {self.detail}. {self.advice or POLICY_SUFFIX}"
+        return f"{text} {self.note}" if self.note else text
+
+    def with_note(self, note: str | None) -> Refusal:
+        """This refusal with the operator's sentence for the client's rules
+        (a refusal that already carries one keeps it)."""
+        if not note or self.note is not None:
+            return self
+        return replace(self, note=note)

@@ -193,10 +193,11 @@ def _regular_refused(host, path="/", method="GET", status=403):
 
 def _regular_proxy_loop(c, p, x):
     # The gate allowed it (a public address, an allowed port); mitmproxy
-    # refuses the dial itself and answers 502, carrying Sluice's reason.
+    # refuses the dial itself, and the client gets Sluice's refusal in place
+    # of mitmproxy's 502 page.
     r = http(c, get(f"{PROXY_HOST}:{p.port}"))
-    assert r.status == 502 and "proxy_loop" in r.text, r
-    return 502
+    assert (r.status, r.sluice_reason) == (403, "proxy_loop") and "server" not in r.headers, r
+    return 403
 
 
 def _regular_too_large(c, p, x):

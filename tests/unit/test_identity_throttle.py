@@ -30,7 +30,8 @@ from policy.reasons import Reason
 
 
 def _sha(password: str) -> str:
-    return "sha256:" + hashlib.sha256(password.encode()).hexdigest()
+    # A real verifier (pbkdf2, few iterations, fixed salt: the same for each call).
+    return hash_password(password, iterations=10_000, salt=b"0123456789abcdef")
 
 
 USERS = {"alice": "alice-pw", "bob": "bob-pw"}
