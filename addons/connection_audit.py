@@ -48,7 +48,7 @@ from mitmproxy.proxy.server_hooks import ServerConnectionHookData
 
 from addons import connections, mitm_patches
 from addons.audit import AuditLog, peer, quote_client
-from addons.refusals import REASON_HEADER, error_bytes, error_response, refusal_bytes, refusal_response
+from addons.refusals import REASON_HEADER, error_bytes, error_response, refusal_body, refusal_bytes, refusal_response
 from addons.verdict import Verdict, verdict_of
 from policy.decide import Decision
 from policy.reasons import Reason, Refusal
@@ -94,6 +94,20 @@ class ConnectionAudit:
 
     def error(self, flow: http.HTTPFlow) -> None:
         self._settle(flow)
+
+    def responseheaders(self, flow: http.HTTPFlow) -> None:
+        # Before any other addon's: a refusal another addon set in an earlier
+        # hook (the gate inside a tunnel, the upgrade guard, the fail-safe)
+        # ends with the operator's sentence for its client, like every other.
+        verdict = verdict_of(flow)
+        response = flow.response
+        refusal = (verdict.cap or verdict.decision.refusal) if verdict is not None else None
+        if (refusal is None or refusal.note is not None or response is None or response.stream
+                or response.headers.get(REASON_HEADER) != refusal.reason.value):
+            return
+        note = verdict.rules.refusal_note if verdict.rules is not None else _top_note()
+        if note and response.raw_content == refusal_body(refusal):  # exactly Sluice's un-noted body
+            response.content = refusal_body(refusal.with_note(note))
 
     def http_connect_error(self, flow: http.HTTPFlow) -> None:
         self._settle(flow)

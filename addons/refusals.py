@@ -7,6 +7,7 @@ from mitmproxy import http
 from mitmproxy.net.http import status_codes
 
 from addons import connections
+from addons.verdict import verdict_of
 from policy.reasons import REASONS, Reason, Refusal
 
 REASON_HEADER = "Sluice-Reason"
@@ -86,7 +87,10 @@ def answer_now(f: http.HTTPFlow, refusal: Refusal) -> None:
       Before the request body, mitmproxy then sends it once the client's body
       has arrived (which mitmproxy drops, never buffers: mitm_patches
       `refused_body_discard`); after the origin's response headers, it
-      replaces that response and the origin's body is dropped as it streams."""
+      replaces that response and the origin's body is dropped as it streams.
+
+    The refusal ends with the operator's sentence for the flow's client."""
+    refusal = noted(f, refusal)
     if plain_http1(f):
         raw = connections.http1_response_bytes(
             refusal.status, status_codes.RESPONSES.get(refusal.status, ""), refusal_headers(refusal), refusal_body(refusal)
@@ -103,6 +107,14 @@ def answer_now(f: http.HTTPFlow, refusal: Refusal) -> None:
         f.response = refusal_in_place_of(f, refusal)
 
 
+def noted(flow: http.HTTPFlow, refusal: Refusal) -> Refusal:
+    """The refusal with the `refusal_note` of the rules the flow's client was
+    matched to (a refused client's refusal already carries the top level's)."""
+    verdict = verdict_of(flow)
+    rules = verdict.rules if verdict is not None else None
+    return refusal.with_note(rules.refusal_note) if rules is not None else refusal
+
+
 def plain_http1(flow: http.HTTPFlow) -> bool:
     """The client speaks HTTP/1 straight on its socket (no TLS that only
     mitmproxy's layers can write), so bytes can be written to it directly."""
@@ -112,7 +124,7 @@ def plain_http1(flow: http.HTTPFlow) -> bool:
 def refusal_in_place_of(flow: http.HTTPFlow, refusal: Refusal) -> http.Response:
     """A fresh response (the origin's object stays with mitmproxy's HTTP/1
     client, which still frames and reuses the upstream connection by it)."""
-    response = refusal_response(refusal)  # Content-Length: the body's length
+    response = refusal_response(noted(flow, refusal))  # Content-Length: the body's length
     response.timestamp_start = flow.response.timestamp_start
     response.stream = RefusalBody(b"" if flow.request.method.upper() == "HEAD" else response.raw_content)
     return response

@@ -356,6 +356,18 @@ def test_a_refused_connect_carries_the_note(proxy, net, fake_dns):
     _no_origin_touched(net)
 
 
+@pytest.mark.parametrize("extra,reason,status", [
+    (b"Content-Length: 5000000\r\n", "request_too_large", 413),  # a cap, answered at once
+    (b"Connection: Upgrade\r\nUpgrade: h2c\r\n", "upgrade_refused", 403),  # the upgrade guard
+])
+def test_caps_and_guards_carry_the_note_too(proxy, net, extra, reason, status):
+    r = _raw(proxy, b"POST http://public.example/ HTTP/1.1\r\nHost: public.example\r\n" + extra +
+             b"Proxy-Authorization: Basic " + _basic(BOT, BOT_PW) + b"\r\n\r\n")
+    _is_sluice_refusal(r, reason, status)
+    assert r.text.rstrip().endswith(AGENTS_NOTE), r.text
+    _no_origin_touched(net)
+
+
 # ---- helpers ---------------------------------------------------------------------------
 
 
