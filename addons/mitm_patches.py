@@ -35,6 +35,10 @@ Patches:
   `limits.max_header_bytes` the connection is closed (no answer can be sent
   in the middle of another response).
 
+- `refused_body_discard`, `http1_leading_blank_lines`, `http1_framing_caps`:
+  see their sections below (a refused request's body is never buffered;
+  empty lines before a request line are skipped; an origin's response head
+  and chunk-size/trailer lines are capped like request heads).
 - `dial_check` wraps `ConnectionHandler.open_connection` and, for the task
   it runs in, `asyncio.open_connection`: only an (IP, port) the gate approved
   for that client connection is dialled, never a name (see its section).
@@ -658,4 +662,69 @@ PATCHES["http1_leading_blank_lines"] = (_patch_http1_leading_blank_lines, (
     "mitmproxy.proxy.layers.http._http1:Http1Server.read_headers",
     "h11._receivebuffer:ReceiveBuffer.maybe_extract_lines",
     "h11._receivebuffer:ReceiveBuffer.maybe_extract_at_most",
+))
+
+
+# ---- http1_framing_caps -------------------------------------------------------
+#
+# Two more places where mitmproxy's HTTP/1 reader buffers without bound while
+# it waits for a line ending (its own "FIXME: protect against header size DoS"):
+# an origin's response head (`Http1Client.read_headers`: a hostile public
+# origin streaming an endless header), and the chunk-size and trailer lines of
+# a chunked body, either direction (`Http1Connection.read_body`; data itself is
+# passed on as it arrives and never waits in the buffer). Past the head size
+# cap (`limits.max_header_bytes`) the connection is closed with a protocol
+# error: an origin's becomes a 502 for the client, a client's ends its request.
+
+FRAMING_TOO_LARGE = "HTTP/1 framing (a response head, or a chunk-size or trailer line) is over Sluice's max_header_bytes"
+
+
+def _framing_limit() -> int | None:
+    limits = _head_guard.head_limits() if _head_guard is not None else None
+    return limits.max_header_bytes if limits is not None else None
+
+
+def _framing_error(self):
+    yield commands.CloseConnection(self.conn)
+    if self.stream_id is not None:
+        yield ReceiveHttp(self.ReceiveProtocolError(self.stream_id, FRAMING_TOO_LARGE, code=self.ReceiveProtocolError.code))
+
+
+def _patch_http1_framing_caps() -> None:
+    from mitmproxy.proxy.layers.http._http1 import Http1Client
+
+    def make_response_head(original):
+        def read_headers(self, event):
+            limit = _framing_limit()
+            if (limit is not None and isinstance(event, events.DataReceived) and self.request
+                    and len(self.buf) > limit and not _head_ends_within(self.buf, limit)):
+                self.buf.maybe_extract_at_most(len(self.buf))  # never kept
+                return (yield from _framing_error(self))
+            return (yield from original(self, event))
+        return read_headers
+
+    def make_read_body(original):
+        def read_body(self, event):
+            yield from original(self, event)
+            limit = _framing_limit()
+            if (limit is not None and isinstance(event, events.DataReceived)
+                    and self.state == self.read_body and len(self.buf) > limit):
+                self.buf.maybe_extract_at_most(len(self.buf))
+                self.state = self.done
+                if isinstance(self, Http1Server):
+                    # mitmproxy's close of a client that keeps sending can miss
+                    # its socket (see head_limits): close it from outside too.
+                    from addons import connections
+                    asyncio.get_running_loop().call_soon(connections.close_client, self.context.client)
+                yield from _framing_error(self)
+        return read_body
+
+    _wrap_once(Http1Client, "read_headers", "__sluice_http1_response_head_cap__", make_response_head)
+    _wrap_once(Http1Connection, "read_body", "__sluice_http1_body_framing_cap__", make_read_body)
+
+
+PATCHES["http1_framing_caps"] = (_patch_http1_framing_caps, (
+    "mitmproxy.proxy.layers.http._http1:Http1Client.read_headers",
+    "mitmproxy.proxy.layers.http._http1:Http1Connection.read_body",
+    "h11._readers:ChunkedReader.__call__",
 ))

@@ -78,6 +78,7 @@ class UpgradeGuard:
         pipe = Verdict(upgraded.host, upgraded.port, upgraded.decision, upgraded.profile, upgraded.rules,
                        method=upgraded.method)
         pipe.client = flow.client_conn
+        pipe.user, pipe.connect_id = upgraded.user, upgraded.connect_id
         flow.metadata[META] = pipe
         self._pipes.setdefault(flow.client_conn.id, []).append(pipe)
         self.caps.watch_tunnel(flow.client_conn, pipe)

@@ -77,6 +77,12 @@ class UpgradeOrigin:
                         headers[k.strip().lower()] = v.strip()
                 body = await self._drain(reader, headers)
                 self.requests.append({"method": method, "target": target, "headers": headers, "body": body})
+                if target == "/endless-head":  # a hostile origin: a response head that never ends
+                    writer.write(b"HTTP/1.1 200 OK\r\nX-Endless: ")
+                    for _ in range(1024):
+                        writer.write(b"a" * 65536)
+                        await writer.drain()
+                    return
                 if headers.get("upgrade", "").lower() == "websocket" or target == "/switch":
                     writer.write(b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: " +
                                  (b"websocket" if target != "/switch" else b"foo") +
@@ -475,3 +481,33 @@ def test_the_body_of_a_refused_request_is_never_buffered(proxy):
         head = s.recv(4096)
     assert head.startswith(b"HTTP/1.1 403") and b"address_not_public" in head, head[:200]
     assert _rss_kib(proxy.proc.pid) - before < 24 * 1024
+
+
+def test_an_origins_endless_response_head_is_cut_with_flat_memory(proxy, origin):
+    before = _rss_kib(proxy.proc.pid)
+    s, head = _raw(proxy, f"GET http://upgrade.example.com:{PLAIN}/endless-head HTTP/1.1\r\n"
+                          f"Host: upgrade.example.com:{PLAIN}\r\n\r\n".encode(), timeout=30)
+    s.close()
+    assert head.startswith(b"HTTP/1.1 502"), head[:200]
+    assert _rss_kib(proxy.proc.pid) - before < 24 * 1024
+
+
+def test_an_endless_chunk_size_line_is_cut_with_flat_memory(proxy, origin):
+    before = _rss_kib(proxy.proc.pid)
+    with socket.create_connection(proxy.address, timeout=30) as s:
+        s.sendall(f"POST http://upgrade.example.com:{PLAIN}/upload HTTP/1.1\r\nHost: upgrade.example.com:{PLAIN}\r\n"
+                  "Transfer-Encoding: chunked\r\n\r\n".encode())
+        sent = 0
+        try:
+            while sent < 64 * MIB:
+                s.sendall(b"1" * 65536)  # a chunk-size line that never ends
+                sent += 65536
+        except OSError:
+            pass  # cut
+        try:
+            s.recv(4096)
+        except OSError:
+            pass
+    assert sent < 64 * MIB  # cut long before the client was done
+    assert _rss_kib(proxy.proc.pid) - before < 24 * 1024
+    assert not [r for r in origin.requests if r["target"] == "/upload" and r["body"]]
