@@ -52,7 +52,7 @@ from addons.policy_source import LivePolicy, PolicySource
 from addons.refusals import refusal_response
 from addons.resolver import decide
 from addons.verdict import META, Verdict, verdict_of
-from policy.decide import Decision, Destination, check_address, check_answers, check_request
+from policy.decide import Decision, Destination, check_address, check_answers, check_request, intercepts
 from policy.hosts import HostError, NameHost, parse_host
 from policy.model import Policy, Rules
 from policy.reasons import Reason, Refusal
@@ -133,7 +133,7 @@ class EgressGate:
         live = self.live()  # one policy snapshot for the whole decision
         authorization = request.headers.pop(PROXY_AUTHORIZATION, None)  # never forwarded
         client = await self.identity.match(live.policy, flow.client_conn, authorization)
-        intercept = connect and client.refusal is None and _intercepts(client.rules, request.host)
+        intercept = connect and client.refusal is None and intercepts(client.rules, request.host)
         dest = Destination(
             host=request.host, port=request.port,
             scheme=None if connect else request.scheme,
@@ -255,7 +255,7 @@ class EgressGate:
         if not decision.allowed:
             self._refuse_dial(data, host, port, decision, client.profile)
             return
-        intercept = _intercepts(client.rules, host)
+        intercept = intercepts(client.rules, host)
         verdict = Verdict(host, port, decision, client.profile, client.rules, intercept=intercept)
         verdict.user = self.identity.socks5_user(data.client)
         self._remember_tunnel(data.client, server, verdict)
@@ -413,15 +413,6 @@ def _inside(flow: http.HTTPFlow, tunnel: Verdict) -> None:
     """A request inside a tunnel is its tunnel's client: same user, same CONNECT."""
     verdict = verdict_of(flow)
     verdict.user, verdict.connect_id = tunnel.user, tunnel.connect_id
-
-
-def _intercepts(rules: Rules, host_text: str) -> bool:
-    if not rules.intercept:
-        return False
-    try:
-        return rules.intercept.match_host(parse_host(host_text)) is not None
-    except HostError:
-        return False
 
 
 def _same_host(a: str, b: str) -> bool:

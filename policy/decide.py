@@ -199,3 +199,15 @@ def check_address(rules: Rules, address: str, port: int) -> Refusal | None:
         return Refusal(Reason.MALFORMED_HOST, f"{address} is not an IP address")
     decision = _check_addresses(rules, host, port, (host.address,), None, None, literal=True)
     return decision.refusal
+
+
+def intercepts(rules: Rules, host_text: str) -> bool:
+    """Whether a tunnel to `host_text` is intercepted (TLS terminated, every
+    request inside decided on its own) under these rules: the gate's test and
+    `sluice policy explain/test`'s."""
+    if not rules.intercept:
+        return False
+    try:
+        return rules.intercept.match_host(parse_host(host_text)) is not None
+    except HostError:
+        return False

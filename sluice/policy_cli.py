@@ -35,7 +35,7 @@ import yaml
 
 from addons.resolver import DnsFailure, PinnedResolver, Resolution, StaticResolver, decide
 from policy.clients import match_client
-from policy.decide import Decision, Destination
+from policy.decide import Decision, Destination, intercepts
 from policy.hosts import HostError, IPHost, internal_name, parse_host
 from policy.loader import (
     PolicyInvalid,
@@ -432,10 +432,8 @@ class Judgement:
 
 
 def _intercepted(rules: Rules, host: str) -> bool:
-    """The gate's own test (addons/gate.py) of whether a CONNECT to `host` is intercepted."""
-    from addons.gate import _intercepts  # imports mitmproxy: only when an https URL is judged
-
-    return _intercepts(rules, host)
+    """The gate's own test (policy.decide.intercepts) of whether a CONNECT to `host` is intercepted."""
+    return intercepts(rules, host)
 
 
 async def judge(policy: Policy, client: str | None, dest: Destination, resolver) -> Judgement:
