@@ -8,9 +8,13 @@
     python -m bench micro      the decision microbenchmark only; no namespace needed
     python -m bench deps       install nginx-light, wrk and tinyproxy if missing
                                (as root, outside the namespace: `make bench` does it)
-    python -m bench profile    cProfile of Sluice and mitmdump under the 16-connection
-                               load, a tunnel download and CONNECT setups, top functions
-                               (inside the namespace; --only connect for that one)
+    python -m bench profile    Sluice and mitmdump under a CPU-time sampler and under
+                               cProfile: 16-connection load, a tunnel download, CONNECT
+                               setups; where the time goes (inside the namespace;
+                               --only connect for that one)
+    python -m bench --only connect --baseline-tree DIR
+                               also run DIR's Sluice (another checkout) in the same
+                               CONNECT rounds: a same-round A/B against older code
 """
 
 from __future__ import annotations
