@@ -96,9 +96,13 @@ class ConnectionAudit:
         self._settle(flow)
 
     def responseheaders(self, flow: http.HTTPFlow) -> None:
-        # Before any other addon's: a refusal another addon set in an earlier
-        # hook (the gate inside a tunnel, the upgrade guard, the fail-safe)
-        # ends with the operator's sentence for its client, like every other.
+        self._note_refusal(flow)
+
+    def _note_refusal(self, flow: http.HTTPFlow) -> None:
+        """Before any other addon's hook: a refusal another addon set in an
+        earlier hook (the gate inside a tunnel, the upgrade guard, the
+        fail-safe) ends with the operator's sentence for its client, like
+        every other."""
         verdict = verdict_of(flow)
         response = flow.response
         refusal = (verdict.cap or verdict.decision.refusal) if verdict is not None else None
@@ -111,6 +115,7 @@ class ConnectionAudit:
 
     def http_connect_error(self, flow: http.HTTPFlow) -> None:
         self._settle(flow)
+        self._note_refusal(flow)
         response = flow.response
         if response is not None and response.status_code == 502 and REASON_HEADER not in response.headers:
             # mitmproxy's own "Cannot connect to ...: <error> If you plan to

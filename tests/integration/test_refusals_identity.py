@@ -113,6 +113,7 @@ def test_curl_ftp_through_the_proxy_gets_a_sluice_refusal(proxy, net):
     (b"GARBAGE\r\n\r\n", "bad request line"),
     (b"GET http://public.example/ HTTP/1.1\r\nHost public.example\r\n\r\n", "header without a colon"),
     (b"GET / HTTP/1.1\r\n\r\n", "no Host"),
+    (b"GET http://user:pass@public.example/ HTTP/1.1\r\nHost: public.example\r\n\r\n", "userinfo"),
     (b"POST http://public.example/ HTTP/1.1\r\nHost: public.example\r\nContent-Length: 3\r\n"
      b"Transfer-Encoding: chunked\r\n\r\n0\r\n\r\n", "smuggling framing"),
     (b"POST http://public.example/ HTTP/1.1\r\nHost: public.example\r\nContent-Length: abc\r\n\r\n", "bad length"),
