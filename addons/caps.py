@@ -21,7 +21,7 @@ from addons import connections
 from addons.audit import AuditLog
 from addons.failsafe import fail_closed
 from addons.policy_source import PolicySource
-from addons.refusals import answer_now, refusal_body, refusal_headers, refusal_response
+from addons.refusals import answer_now, noted, refusal_body, refusal_headers, refusal_response
 from addons.verdict import Verdict, verdict_of
 from policy.model import Limits, Rules
 from policy.reasons import Reason, Refusal
@@ -150,7 +150,7 @@ class Caps:
         verdict = verdict_of(flow)
         if timeout is not None and verdict is not None:
             verdict.cap = timeout
-            flow.response = refusal_response(timeout)
+            flow.response = refusal_response(noted(flow, timeout))
 
     def _finish(self, flow: http.HTTPFlow) -> None:
         handle = self._request_deadlines.pop(flow.id, None)
@@ -167,6 +167,7 @@ class Caps:
         if verdict is None or verdict.cap is not None:
             return
         verdict.cap = refusal
+        refusal = noted(flow, refusal)
         if not verdict.response_started and not (flow.request.is_http2 or flow.request.is_http3):
             raw = connections.http1_response_bytes(
                 refusal.status, status_codes.RESPONSES.get(refusal.status, ""), refusal_headers(refusal), refusal_body(refusal)

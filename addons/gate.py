@@ -124,7 +124,7 @@ class EgressGate:
             refusal = Refusal(Reason.HOST_MISMATCH, f"a CONNECT inside the tunnel to {tunnel.host} is not allowed; open a new tunnel from the proxy")
             flow.metadata[META] = Verdict(tunnel.host, tunnel.port, Decision(False, None, refusal, port=tunnel.port), tunnel.profile, None)
             _inside(flow, tunnel)
-            flow.response = refusal_response(refusal)
+            flow.response = refusal_response(refusal.with_note(tunnel.rules.refusal_note) if tunnel.rules else refusal)
             return
         await self._gate_http(flow, connect=True)
 

@@ -22,7 +22,7 @@ from addons.caps import Caps, size_text
 from addons.failsafe import fail_closed
 from addons.gate import still_allowed
 from addons.policy_source import LivePolicy, PolicySource
-from addons.refusals import refusal_response
+from addons.refusals import noted, refusal_response
 from addons.verdict import META, Verdict, verdict_of
 from policy.reasons import Reason, Refusal
 
@@ -51,7 +51,7 @@ class UpgradeGuard:
             return
         asked = _tokens(flow.request.headers.get("upgrade", ""))
         if asked and asked != {"websocket"}:
-            verdict.cap = Refusal(Reason.UPGRADE_REFUSED, f"the request asks to upgrade to {', '.join(sorted(asked))[:80]}; only WebSocket upgrades may pass")
+            verdict.cap = noted(flow, Refusal(Reason.UPGRADE_REFUSED, f"the request asks to upgrade to {', '.join(sorted(asked))[:80]}; only WebSocket upgrades may pass"))
             flow.response = refusal_response(verdict.cap)
 
     @fail_closed(response_phase=True)
