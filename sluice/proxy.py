@@ -101,6 +101,7 @@ async def _serve(policy: str, listen: tuple[str, int], modes: list[str], audit_l
     master = Master(opts, with_termlog=False)
     master.addons.add(TermLog(out=sys.stderr), *mitmproxy_addons())
     master.addons.add(*make_addons(), ReadyLine(policy))
+    mitm_patches.fast_dispatch(master.addons)  # a fixed addon list: resolve each event's hooks once
     try:
         opts.update(**SLUICE_DEFAULTS)
         opts.update(mode=modes or ["regular"], sluice_audit_log=audit_log)

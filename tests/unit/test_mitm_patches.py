@@ -42,6 +42,11 @@ RECORDED = {
     "mitmproxy.proxy.layers.http._http1:Http1Client.read_headers": "415454c5fa8b5981",
     "mitmproxy.proxy.layers.http._http1:Http1Connection.read_body": "aece271029af36e4",
     "h11._readers:ChunkedReader.__call__": "2618d847a89a1505",
+    "mitmproxy.addonmanager:AddonManager.trigger_event": "b763c59bc4992e33",
+    "mitmproxy.addonmanager:AddonManager.invoke_addon": "13180532440359de",
+    "mitmproxy.addonmanager:AddonManager._iter_hooks": "350b419ab7284091",
+    "mitmproxy.addonmanager:safecall": "f2052c18340e99b0",
+    "mitmproxy.addonmanager:traverse": "bad3d9f88bdf9269",
     "mitmproxy.proxy.server:ConnectionHandler.handle_connection": "95c3f93e9824e527",
     "mitmproxy.proxy.server:ConnectionHandler.server_event": "a2b42657ebe8bf6d",
     "mitmproxy.proxy.layers.modes:Socks5Proxy.socks_err": "25dc8e9d3b91ec95",
@@ -345,3 +350,85 @@ def test_a_request_after_leading_empty_lines_is_read_in_the_same_read(guard):
     server, client = make_server()
     cmds = feed(server, client, b"\r\n\r\n\nGET http://example.com/ HTTP/1.1\r\nHost: example.com\r\n\r\n")
     assert guard.refused == [] and len(heads(cmds)) == 1
+
+
+# ---- fast_dispatch: the same hooks, in the same order, with the same errors ------
+
+
+def _manager():
+    """A bare AddonManager of a real Master (inside a running loop)."""
+    from mitmproxy.master import Master
+
+    return Master(options.Options(), with_termlog=False).addons
+
+
+def test_fast_dispatch_calls_what_mitmproxy_would_in_the_same_order(caplog):
+    from mitmproxy import exceptions, hooks
+
+    calls = []
+
+    class Child:
+        def running(self):
+            calls.append("child")
+
+    class Parent:
+        addons = [Child()]
+
+        def running(self):
+            calls.append("parent")
+
+    class Broken:
+        def running(self):
+            calls.append("broken")
+            raise RuntimeError("a bug in a hook")
+
+    class Async:
+        async def running(self):
+            calls.append("async")
+
+    class Halt:
+        def running(self):
+            calls.append("halt")
+            raise exceptions.AddonHalt()
+
+    class After:
+        def running(self):
+            calls.append("after")
+
+    async def scenario():
+        manager = _manager()
+        manager.add(Parent(), Broken(), Async(), Halt(), After())
+        await manager.trigger_event(hooks.RunningHook())
+        as_mitmproxy = list(calls)
+        calls.clear()
+        mitm_patches.fast_dispatch(manager)
+        await manager.trigger_event(hooks.RunningHook())
+        return as_mitmproxy, list(calls)
+
+    as_mitmproxy, fast = asyncio.run(scenario())
+    assert as_mitmproxy == ["parent", "child", "broken", "async", "halt"]
+    assert fast == as_mitmproxy
+    assert "a bug in a hook" in caplog.text
+
+
+def test_fast_dispatch_sees_addons_added_later():
+    from mitmproxy import hooks
+
+    seen = []
+
+    class Late:
+        def running(self):
+            seen.append("late")
+
+    async def scenario():
+        manager = _manager()
+        mitm_patches.fast_dispatch(manager)
+        await manager.trigger_event(hooks.RunningHook())
+        late = Late()
+        manager.add(late)
+        await manager.trigger_event(hooks.RunningHook())
+        manager.remove(late)
+        await manager.trigger_event(hooks.RunningHook())
+
+    asyncio.run(scenario())
+    assert seen == ["late"]
