@@ -10,7 +10,11 @@ LISTEN ?= 127.0.0.1:8080
 $(VENV)/.installed: pyproject.toml
 	@py=$$(scripts/find-python.sh) && $$py -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[test]'
+	@# The editable install maps addons/ and policy/ into the `sluice` package
+	@# (pyproject's package-dir); setuptools then prints an informational
+	@# UserWarning about editable mode, which is silenced here. The wheel itself
+	@# builds without warnings and holds only `sluice`.
+	PYTHONWARNINGS=ignore::UserWarning $(PY) -m pip install -q -e '.[test]'
 	@touch $@
 
 venv: $(VENV)/.installed

@@ -25,8 +25,8 @@ from typing import IO, Any
 
 from mitmproxy import connection, ctx, exceptions, http, tcp
 
-from addons.verdict import Verdict, verdict_of
-from policy.decide import Decision
+from sluice.addons.verdict import Verdict, verdict_of
+from sluice.policy.decide import Decision
 
 # The one list of audit fields, in output order. Absent values are null.
 FIELDS = (

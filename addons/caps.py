@@ -17,14 +17,14 @@ from mitmproxy.connection import ConnectionState
 from mitmproxy.net.http import status_codes
 from mitmproxy.proxy.server_hooks import ServerConnectionHookData
 
-from addons import connections
-from addons.audit import AuditLog
-from addons.failsafe import fail_closed
-from addons.policy_source import PolicySource
-from addons.refusals import answer_now, noted, refusal_body, refusal_headers, refusal_response
-from addons.verdict import Verdict, verdict_of
-from policy.model import Limits, Rules
-from policy.reasons import Reason, Refusal
+from sluice.addons import connections
+from sluice.addons.audit import AuditLog
+from sluice.addons.failsafe import fail_closed
+from sluice.addons.policy_source import PolicySource
+from sluice.addons.refusals import answer_now, noted, refusal_body, refusal_headers, refusal_response
+from sluice.addons.verdict import Verdict, verdict_of
+from sluice.policy.model import Limits, Rules
+from sluice.policy.reasons import Reason, Refusal
 
 NO_BODY_STATUSES = frozenset({204, 304})
 

@@ -46,12 +46,12 @@ from mitmproxy import connection, ctx, http
 from mitmproxy.proxy import mode_specs
 from mitmproxy.proxy.server_hooks import ServerConnectionHookData
 
-from addons import connections, mitm_patches
-from addons.audit import AuditLog, peer, quote_client
-from addons.refusals import REASON_HEADER, error_bytes, error_response, refusal_body, refusal_bytes, refusal_response
-from addons.verdict import Verdict, verdict_of
-from policy.decide import Decision
-from policy.reasons import Reason, Refusal
+from sluice.addons import connections, mitm_patches
+from sluice.addons.audit import AuditLog, peer, quote_client
+from sluice.addons.refusals import REASON_HEADER, error_bytes, error_response, refusal_body, refusal_bytes, refusal_response
+from sluice.addons.verdict import Verdict, verdict_of
+from sluice.policy.decide import Decision
+from sluice.policy.reasons import Reason, Refusal
 
 # flow.metadata key: mitmproxy found the request invalid (its message) and answers 400 itself.
 INVALID = "sluice_invalid_request"

@@ -15,10 +15,10 @@ import logging
 from mitmproxy import http
 from mitmproxy.proxy.server_hooks import ServerConnectionHookData
 
-from addons.refusals import answer_now, refusal_response
-from addons.verdict import META, Verdict, verdict_of
-from policy.decide import Decision
-from policy.reasons import Reason, Refusal
+from sluice.addons.refusals import answer_now, refusal_response
+from sluice.addons.verdict import META, Verdict, verdict_of
+from sluice.policy.decide import Decision
+from sluice.policy.reasons import Reason, Refusal
 
 logger = logging.getLogger("sluice")
 

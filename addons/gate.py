@@ -44,19 +44,19 @@ from mitmproxy.proxy.layers import modes
 from mitmproxy.proxy.layers.http import HTTPMode
 from mitmproxy.proxy.server_hooks import ServerConnectionHookData
 
-from addons import connections, mitm_patches
-from addons.audit import AuditLog, peer, quote_client
-from addons.failsafe import fail_closed
-from addons.caps import Caps
-from addons.identity import PROXY_AUTHORIZATION, ClientIdentifier, parse_basic
-from addons.policy_source import LivePolicy, PolicySource
-from addons.refusals import refusal_response
-from addons.resolver import decide
-from addons.verdict import META, Verdict, verdict_of
-from policy.decide import Decision, Destination, check_address, check_answers, check_request, intercepts
-from policy.hosts import HostError, NameHost, parse_host
-from policy.model import Policy, Rules
-from policy.reasons import Reason, Refusal
+from sluice.addons import connections, mitm_patches
+from sluice.addons.audit import AuditLog, peer, quote_client
+from sluice.addons.failsafe import fail_closed
+from sluice.addons.caps import Caps
+from sluice.addons.identity import PROXY_AUTHORIZATION, ClientIdentifier, parse_basic
+from sluice.addons.policy_source import LivePolicy, PolicySource
+from sluice.addons.refusals import refusal_response
+from sluice.addons.resolver import decide
+from sluice.addons.verdict import META, Verdict, verdict_of
+from sluice.policy.decide import Decision, Destination, check_address, check_answers, check_request, intercepts
+from sluice.policy.hosts import HostError, NameHost, parse_host
+from sluice.policy.model import Policy, Rules
+from sluice.policy.reasons import Reason, Refusal
 
 # SOCKS5 reply: version 5, REP 2 "connection not allowed by ruleset", IPv4 0.0.0.0:0.
 SOCKS5_NOT_ALLOWED = b"\x05\x02\x00\x01\x00\x00\x00\x00\x00\x00"

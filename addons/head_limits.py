@@ -26,12 +26,12 @@ import asyncio
 from mitmproxy import connection, http
 from mitmproxy.net.http import http1, status_codes
 
-from addons import connections, mitm_patches
-from addons.audit import AuditLog, peer
-from addons.policy_source import PolicySource
-from addons.refusals import refusal_body, refusal_headers
-from policy.model import Limits
-from policy.reasons import Reason, Refusal
+from sluice.addons import connections, mitm_patches
+from sluice.addons.audit import AuditLog, peer
+from sluice.addons.policy_source import PolicySource
+from sluice.addons.refusals import refusal_body, refusal_headers
+from sluice.policy.model import Limits
+from sluice.policy.reasons import Reason, Refusal
 
 
 def _size(n: int) -> str:

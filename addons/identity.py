@@ -48,9 +48,9 @@ from concurrent.futures import ThreadPoolExecutor
 from mitmproxy import connection
 from mitmproxy.proxy import mode_specs
 
-from addons.audit import quote_client
+from sluice.addons.audit import quote_client
 
-from policy.clients import (
+from sluice.policy.clients import (
     VIA_HTTP,
     VIA_SOCKS5,
     VIA_SOURCE,
@@ -62,7 +62,7 @@ from policy.clients import (
     throttled,
     verify_password,
 )
-from policy.model import Policy
+from sluice.policy.model import Policy
 
 PROXY_AUTHORIZATION = "Proxy-Authorization"
 

@@ -75,7 +75,7 @@ from mitmproxy.proxy.layers.http._base import ReceiveHttp
 from mitmproxy.proxy.layers.http._events import ErrorCode, RequestHeaders, RequestProtocolError
 from mitmproxy.proxy.layers.http._http1 import Http1Connection, Http1Server
 
-from policy.model import Limits
+from sluice.policy.model import Limits
 
 MITMPROXY_VERSION = "12.3.1"
 
@@ -714,7 +714,7 @@ def _patch_http1_framing_caps() -> None:
                 if isinstance(self, Http1Server):
                     # mitmproxy's close of a client that keeps sending can miss
                     # its socket (see head_limits): close it from outside too.
-                    from addons import connections
+                    from sluice.addons import connections
                     asyncio.get_running_loop().call_soon(connections.close_client, self.context.client)
                 yield from _framing_error(self)
         return read_body

@@ -30,10 +30,10 @@ from typing import Callable
 
 from mitmproxy import ctx, exceptions
 
-from addons.audit import AuditLog
-from addons.resolver import PinnedResolver
-from policy.loader import PolicyInvalid, read_policy_file
-from policy.model import Policy
+from sluice.addons.audit import AuditLog
+from sluice.addons.resolver import PinnedResolver
+from sluice.policy.loader import PolicyInvalid, read_policy_file
+from sluice.policy.model import Policy
 
 logger = logging.getLogger("sluice.policy")
 DEFAULT_POLICY = "config/policy.yaml"

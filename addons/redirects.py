@@ -38,15 +38,15 @@ import time
 from mitmproxy import http
 from mitmproxy.net.http.http1 import expected_http_body_size
 
-from addons import connections
-from addons.failsafe import fail_closed
-from addons.policy_source import PolicySource
-from addons.refusals import RefusalBody, answer_now, plain_http1, refusal_in_place_of
-from addons.resolver import decide
-from addons.verdict import verdict_of
-from policy.decide import Destination
-from policy.reasons import Reason, Refusal
-from policy.urls import resolve_redirect
+from sluice.addons import connections
+from sluice.addons.failsafe import fail_closed
+from sluice.addons.policy_source import PolicySource
+from sluice.addons.refusals import RefusalBody, answer_now, plain_http1, refusal_in_place_of
+from sluice.addons.resolver import decide
+from sluice.addons.verdict import verdict_of
+from sluice.policy.decide import Destination
+from sluice.policy.reasons import Reason, Refusal
+from sluice.policy.urls import resolve_redirect
 
 METHOD_KEEPING = frozenset({307, 308})
 

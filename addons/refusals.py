@@ -6,9 +6,9 @@ from __future__ import annotations
 from mitmproxy import http
 from mitmproxy.net.http import status_codes
 
-from addons import connections
-from addons.verdict import verdict_of
-from policy.reasons import REASONS, Reason, Refusal
+from sluice.addons import connections
+from sluice.addons.verdict import verdict_of
+from sluice.policy.reasons import REASONS, Reason, Refusal
 
 REASON_HEADER = "Sluice-Reason"
 

@@ -21,10 +21,10 @@ import dns.nameserver
 import dns.rdatatype
 import dns.resolver
 
-from policy.decide import Decision, Destination, check_answers, check_request
-from policy.hosts import internal_name
-from policy.model import DnsSettings, Rules
-from policy.reasons import DNS_NO_NAME_ADVICE, DNS_TRANSIENT_ADVICE, Reason, Refusal
+from sluice.policy.decide import Decision, Destination, check_answers, check_request
+from sluice.policy.hosts import internal_name
+from sluice.policy.model import DnsSettings, Rules
+from sluice.policy.reasons import DNS_NO_NAME_ADVICE, DNS_TRANSIENT_ADVICE, Reason, Refusal
 
 MAX_CNAME_HOPS = 8
 CACHE_ENTRIES = 10_000

@@ -5,16 +5,16 @@ decides first, the redirect guard and caps act on its verdict, and the audit
 log writes last, once every cap has had its say.
 """
 
-from addons.audit import AuditLog
-from addons.caps import Caps
-from addons.connection_audit import ConnectionAudit
-from addons.gate import EgressGate
-from addons.guardrails import Guardrails
-from addons.head_limits import HeadLimits
-from addons import mitm_patches
-from addons.policy_source import PolicySource
-from addons.redirects import RedirectGuard
-from addons.upgrades import UpgradeGuard
+from sluice.addons.audit import AuditLog
+from sluice.addons.caps import Caps
+from sluice.addons.connection_audit import ConnectionAudit
+from sluice.addons.gate import EgressGate
+from sluice.addons.guardrails import Guardrails
+from sluice.addons.head_limits import HeadLimits
+from sluice.addons import mitm_patches
+from sluice.addons.policy_source import PolicySource
+from sluice.addons.redirects import RedirectGuard
+from sluice.addons.upgrades import UpgradeGuard
 
 
 def make_addons() -> list:

@@ -18,13 +18,13 @@ from __future__ import annotations
 
 from mitmproxy import http, tcp
 
-from addons.caps import Caps, size_text
-from addons.failsafe import fail_closed
-from addons.gate import still_allowed
-from addons.policy_source import LivePolicy, PolicySource
-from addons.refusals import noted, refusal_response
-from addons.verdict import META, Verdict, verdict_of
-from policy.reasons import Reason, Refusal
+from sluice.addons.caps import Caps, size_text
+from sluice.addons.failsafe import fail_closed
+from sluice.addons.gate import still_allowed
+from sluice.addons.policy_source import LivePolicy, PolicySource
+from sluice.addons.refusals import noted, refusal_response
+from sluice.addons.verdict import META, Verdict, verdict_of
+from sluice.policy.reasons import Reason, Refusal
 
 
 def _tokens(value: str) -> set[str]:

@@ -8,9 +8,9 @@ from dataclasses import dataclass, field
 
 from mitmproxy import flow as mflow
 
-from policy.decide import Decision
-from policy.model import Limits, Rules
-from policy.reasons import Refusal
+from sluice.policy.decide import Decision
+from sluice.policy.model import Limits, Rules
+from sluice.policy.reasons import Refusal
 
 META = "sluice"
 

@@ -30,7 +30,7 @@ def _decide_once(check_request, check_answers, rules, dest, answers):
 
 
 def time_case(rules, dest, answers, *, iterations: int, rounds: int) -> dict:
-    from policy.decide import check_answers, check_request
+    from sluice.policy.decide import check_answers, check_request
 
     d = _decide_once(check_request, check_answers, rules, dest, answers)
     if not d.allowed:
@@ -57,8 +57,8 @@ def time_case(rules, dest, answers, *, iterations: int, rounds: int) -> dict:
 
 def run(policy_files: dict[str, Path] | None = None, *, quick: bool = False) -> dict:
     """{policy label: {case label: timings}}; policy_files maps label -> path."""
-    from policy.decide import Destination
-    from policy.loader import load_policy_file
+    from sluice.policy.decide import Destination
+    from sluice.policy.loader import load_policy_file
 
     from bench import policies
 

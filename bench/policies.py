@@ -53,7 +53,7 @@ def cidrs(n: int, seed: int, public: bool = False) -> list[str]:
     """n random CIDRs, none holding the origin or loopback. public: each
     starts with a public address (the loader refuses an allow CIDR whose every
     address Sluice would refuse anyway)."""
-    from policy.ranges import classify
+    from sluice.policy.ranges import classify
 
     rng = random.Random(seed)
     out: set[str] = set()

@@ -20,8 +20,8 @@ from dataclasses import dataclass
 
 import netaddr
 
-from policy.model import ClientProfile, Policy, Rules
-from policy.reasons import Reason, Refusal
+from sluice.policy.model import ClientProfile, Policy, Rules
+from sluice.policy.reasons import Reason, Refusal
 
 
 @dataclass(frozen=True, slots=True)

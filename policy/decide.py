@@ -15,11 +15,11 @@ from dataclasses import dataclass
 
 import netaddr
 
-from policy.hosts import Host, HostError, IPHost, NameHost, internal_name, parse_host
-from policy.matchers import AddressEntry, Rule
-from policy.model import Rules
-from policy.ranges import classify
-from policy.reasons import Reason, Refusal
+from sluice.policy.hosts import Host, HostError, IPHost, NameHost, internal_name, parse_host
+from sluice.policy.matchers import AddressEntry, Rule
+from sluice.policy.model import Rules
+from sluice.policy.ranges import classify
+from sluice.policy.reasons import Reason, Refusal
 
 ALLOWED_SCHEMES = frozenset({"http", "https"})
 

@@ -20,12 +20,12 @@ from typing import Any, Callable
 
 import yaml
 
-from policy.clients import secret_verifier
-from policy.hosts import INTERNAL_SUFFIXES, internal_name
-from policy.matchers import AddressSet, HostMatcher, PatternError, parse_cidr, parse_host_pattern
-from policy.ranges import IPV4_NON_PUBLIC, IPV6_NON_PUBLIC, NonPublicRange
-from policy.reasons import MAX_NOTE_CHARS
-from policy.model import (
+from sluice.policy.clients import secret_verifier
+from sluice.policy.hosts import INTERNAL_SUFFIXES, internal_name
+from sluice.policy.matchers import AddressSet, HostMatcher, PatternError, parse_cidr, parse_host_pattern
+from sluice.policy.ranges import IPV4_NON_PUBLIC, IPV6_NON_PUBLIC, NonPublicRange
+from sluice.policy.reasons import MAX_NOTE_CHARS
+from sluice.policy.model import (
     STANDARD_METHODS,
     ClientProfile,
     DnsSettings,

@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 
 import netaddr
 
-from policy.hosts import HostError, IPHost, NameHost, parse_host
-from policy.ranges import address_value
+from sluice.policy.hosts import HostError, IPHost, NameHost, parse_host
+from sluice.policy.ranges import address_value
 
 
 class PatternError(ValueError):

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from policy.matchers import AddressSet, HostMatcher
+from sluice.policy.matchers import AddressSet, HostMatcher
 
 DEFAULT_PORTS: frozenset[int] = frozenset({80, 443})
 STANDARD_METHODS: frozenset[str] = frozenset(

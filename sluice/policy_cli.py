@@ -33,11 +33,11 @@ from typing import Any
 
 import yaml
 
-from addons.resolver import DnsFailure, PinnedResolver, Resolution, StaticResolver, decide
-from policy.clients import match_client
-from policy.decide import Decision, Destination, intercepts
-from policy.hosts import HostError, IPHost, internal_name, parse_host
-from policy.loader import (
+from sluice.addons.resolver import DnsFailure, PinnedResolver, Resolution, StaticResolver, decide
+from sluice.policy.clients import match_client
+from sluice.policy.decide import Decision, Destination, intercepts
+from sluice.policy.hosts import HostError, IPHost, internal_name, parse_host
+from sluice.policy.loader import (
     PolicyInvalid,
     Problem,
     _covers,
@@ -47,10 +47,10 @@ from policy.loader import (
     read_policy_bytes,
     read_policy_file,
 )
-from policy.matchers import HostMatcher, PatternError, parse_host_pattern
-from policy.model import STANDARD_METHODS, DnsSettings, Policy, Rules
-from policy.reasons import Reason
-from policy.urls import split_url
+from sluice.policy.matchers import HostMatcher, PatternError, parse_host_pattern
+from sluice.policy.model import STANDARD_METHODS, DnsSettings, Policy, Rules
+from sluice.policy.reasons import Reason
+from sluice.policy.urls import split_url
 
 EXIT_OK = 0
 EXIT_INVALID = 1  # invalid policy or cases file; failed test cases

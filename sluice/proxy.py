@@ -14,8 +14,8 @@ from mitmproxy.addons.termlog import TermLog
 from mitmproxy.master import Master
 from mitmproxy.proxy import mode_specs
 
-from addons import mitm_patches
-from addons.sluice_addon import make_addons
+from sluice.addons import mitm_patches
+from sluice.addons.sluice_addon import make_addons
 from sluice.ca import ca_dir, ensure_ca
 from sluice.cli import EXIT_USAGE, listen_problem
 from sluice.listen import parse_listen

@@ -1,9 +1,9 @@
 """The decision functions over plain data: ports, schemes, private networks,
 DNS answers (mixed, CNAME to internal), report mode."""
 
-from policy.decide import Destination, check_address, check_answers, check_request
-from policy.loader import load_policy_text
-from policy.model import Rules
+from sluice.policy.decide import Destination, check_address, check_answers, check_request
+from sluice.policy.loader import load_policy_text
+from sluice.policy.model import Rules
 
 RULES = Rules()
 

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from policy.loader import PolicyInvalid, compose_checked, load_policy_text
+from sluice.policy.loader import PolicyInvalid, compose_checked, load_policy_text
 from sluice.policy_cli import policy_warnings
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -3,7 +3,7 @@
 import re
 from pathlib import Path
 
-from policy.reasons import REASONS
+from sluice.policy.reasons import REASONS
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -7,10 +7,10 @@ import socket
 import pytest
 from hypothesis import example, given, settings, strategies as st
 
-from policy.decide import Destination, check_request
-from policy.hosts import HostError, IPHost, NameHost, parse_host
-from policy.model import Rules
-from policy.ranges import ALL_NON_PUBLIC, classify
+from sluice.policy.decide import Destination, check_request
+from sluice.policy.hosts import HostError, IPHost, NameHost, parse_host
+from sluice.policy.model import Rules
+from sluice.policy.ranges import ALL_NON_PUBLIC, classify
 
 RULES = Rules()
 

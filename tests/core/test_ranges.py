@@ -5,7 +5,7 @@ import ipaddress
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from policy.ranges import ALL_NON_PUBLIC, classify
+from sluice.policy.ranges import ALL_NON_PUBLIC, classify
 
 # Every row of the registry table: each must be refused at its first and last address.
 REGISTRY = [

@@ -16,7 +16,7 @@ import pytest
 
 from harness import default_policy
 from harness.clients import _Reader, read_response
-from policy.loader import hash_password
+from sluice.policy.loader import hash_password
 
 pytestmark = pytest.mark.netns
 

@@ -53,12 +53,12 @@ from urllib.parse import urlsplit
 import pytest
 import yaml
 
-from addons.resolver import NEGATIVE_TTL
+from sluice.addons.resolver import NEGATIVE_TTL
 from harness.clients import Response, _Reader, read_response
 from harness.sluice import DNS_SERVER
-from policy.hosts import HostError, IPHost, parse_host
-from policy.loader import hash_password, load_policy_file
-from policy.ranges import classify
+from sluice.policy.hosts import HostError, IPHost, parse_host
+from sluice.policy.loader import hash_password, load_policy_file
+from sluice.policy.ranges import classify
 
 pytestmark = pytest.mark.netns
 

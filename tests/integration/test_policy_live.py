@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from harness import default_policy
-from policy.loader import hash_password
+from sluice.policy.loader import hash_password
 
 pytestmark = pytest.mark.netns
 

@@ -31,8 +31,8 @@ import requests
 
 from harness import absolute_form, connect, curl, default_policy, http_request, origin_form, socks5_connect
 from harness.clients import _Reader, clean_env, read_response
-from policy.loader import hash_password
-from policy.reasons import DNS_NO_NAME_ADVICE, DNS_TRANSIENT_ADVICE, POLICY_SUFFIX
+from sluice.policy.loader import hash_password
+from sluice.policy.reasons import DNS_NO_NAME_ADVICE, DNS_TRANSIENT_ADVICE, POLICY_SUFFIX
 
 pytestmark = pytest.mark.netns
 

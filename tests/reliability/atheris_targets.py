@@ -23,11 +23,11 @@ import atheris
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 with atheris.instrument_imports(include=["policy", "yaml"]):
-    from policy.decide import Destination, check_request
-    from policy.hosts import IPHost, NameHost
-    from policy.loader import PolicyInvalid, load_policy_text
-    from policy.model import Policy, Rules
-    from policy.ranges import classify
+    from sluice.policy.decide import Destination, check_request
+    from sluice.policy.hosts import IPHost, NameHost
+    from sluice.policy.loader import PolicyInvalid, load_policy_text
+    from sluice.policy.model import Policy, Rules
+    from sluice.policy.ranges import classify
 
 
 # The loader's safety net turns an unexpected exception into this problem: a

@@ -30,8 +30,8 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from harness import default_policy
 from harness.clients import _Reader, read_response
-from policy.loader import PolicyInvalid, load_policy_text
-from policy.model import Policy
+from sluice.policy.loader import PolicyInvalid, load_policy_text
+from sluice.policy.model import Policy
 from relkit import KeepAlive, get, quiet_fds, scaled, settle_fds
 
 pytestmark = pytest.mark.netns

@@ -31,7 +31,7 @@ import pytest
 
 from harness import default_policy
 from harness.clients import _Reader, read_response
-from policy.loader import hash_password
+from sluice.policy.loader import hash_password
 from relkit import KeepAlive, scaled
 
 pytestmark = pytest.mark.netns

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from policy.clients import verify_password
-from policy.loader import load_policy_text
+from sluice.policy.clients import verify_password
+from sluice.policy.loader import load_policy_text
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from addons.resolver import DnsFailure, Resolution
+from sluice.addons.resolver import DnsFailure, Resolution
 
 POLICY = """\
 version: 1
@@ -333,7 +333,7 @@ def test_without_resolve_names_go_to_the_policys_resolver(explain, monkeypatch):
 def test_the_live_resolver_fails_closed(monkeypatch):
     import asyncio
 
-    from policy.model import DnsSettings
+    from sluice.policy.model import DnsSettings
     from sluice.policy_cli import LiveResolver
 
     monkeypatch.undo()  # this test calls the real LiveResolver.resolve, with a broken PinnedResolver

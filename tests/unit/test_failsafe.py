@@ -5,8 +5,8 @@ import asyncio
 
 from mitmproxy.test import tflow
 
-from addons.failsafe import fail_closed
-from addons.verdict import verdict_of
+from sluice.addons.failsafe import fail_closed
+from sluice.addons.verdict import verdict_of
 
 
 class Broken:
@@ -34,8 +34,8 @@ def test_sync_hooks_fail_closed_too():
 
 
 def test_refusal_bodies_survive_lone_surrogates():
-    from addons.refusals import refusal_response
-    from policy.reasons import Reason, Refusal
+    from sluice.addons.refusals import refusal_response
+    from sluice.policy.reasons import Reason, Refusal
 
     response = refusal_response(Refusal(Reason.METHOD_NOT_ALLOWED, "the method GET\udcd1 is not allowed"))
     assert b"GET\\udcd1" in response.content

@@ -8,12 +8,12 @@ import pytest
 from mitmproxy import connection
 from mitmproxy.proxy.server_hooks import ServerConnectionHookData
 
-from addons import connections, gate
-from addons.gate import EgressGate, _canonical_ip, _fronting, _live_rules, still_allowed
-from addons.verdict import Verdict
-from policy.decide import Decision
-from policy.loader import load_policy_text
-from policy.model import Rules
+from sluice.addons import connections, gate
+from sluice.addons.gate import EgressGate, _canonical_ip, _fronting, _live_rules, still_allowed
+from sluice.addons.verdict import Verdict
+from sluice.policy.decide import Decision
+from sluice.policy.loader import load_policy_text
+from sluice.policy.model import Rules
 
 
 class RecordingAudit:

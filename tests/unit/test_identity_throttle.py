@@ -1,4 +1,4 @@
-"""addons.identity: password checks off the event loop, only successes cached,
+"""sluice.addons.identity: password checks off the event loop, only successes cached,
 wrong passwords throttled per address and per username (injected clock,
 verifier and sleep: nothing here waits or measures time)."""
 
@@ -12,8 +12,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from addons import identity
-from addons.identity import (
+from sluice.addons import identity
+from sluice.addons.identity import (
     ADDRESS_BURST,
     ADDRESS_REFILL_SECONDS,
     MAX_PENDING_CHECKS,
@@ -23,10 +23,10 @@ from addons.identity import (
     ClientIdentifier,
     FailureThrottle,
 )
-from addons.refusals import refusal_headers
-from policy.clients import PasswordCheck, identify, throttled
-from policy.loader import hash_password, load_policy_text
-from policy.reasons import Reason
+from sluice.addons.refusals import refusal_headers
+from sluice.policy.clients import PasswordCheck, identify, throttled
+from sluice.policy.loader import hash_password, load_policy_text
+from sluice.policy.reasons import Reason
 
 
 def _sha(password: str) -> str:

@@ -20,8 +20,8 @@ from mitmproxy.proxy.layers.http._events import RequestHeaders, RequestProtocolE
 from mitmproxy.proxy.layers.http._http1 import Http1Server
 from mitmproxy import http
 
-from addons import mitm_patches
-from policy.model import Limits
+from sluice.addons import mitm_patches
+from sluice.policy.model import Limits
 
 # sha256 (first 16 hex digits) of inspect.getsource() of every mitmproxy
 # function a patch wraps or relies on, as shipped in MITMPROXY_VERSION.

@@ -1,4 +1,4 @@
-"""policy.clients.match_client: users, sources, require_client."""
+"""sluice.policy.clients.match_client: users, sources, require_client."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import hashlib
 
 import pytest
 
-from policy.clients import match_client, verify_password
-from policy.loader import hash_password, load_policy_text
+from sluice.policy.clients import match_client, verify_password
+from sluice.policy.loader import hash_password, load_policy_text
 
 # Few iterations: these tests check matching, not the cost of the hash.
 ALICE = hash_password("alice-pw", iterations=10_000, salt=b"a" * 16)
@@ -125,7 +125,7 @@ def test_verify_password_formats():
 
 
 def test_credentials_are_ignored_when_the_policy_defines_no_users():
-    from policy.loader import load_policy_text
+    from sluice.policy.loader import load_policy_text
 
     plain = load_policy_text("version: 1\nclients:\n  - name: net\n    sources: [10.0.0.0/8]\n")
     m = match_client(plain, "10.1.2.3", "someone", "anything")

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from policy.loader import load_policy_file
+from sluice.policy.loader import load_policy_file
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "config" / "examples"
 NAMES = ["research-agent", "coding-agent", "searxng-sidecar"]

@@ -10,8 +10,8 @@ import threading
 
 import pytest
 
-from policy import loader
-from policy.loader import MAX_POLICY_BYTES, PolicyInvalid, load_policy_file, load_policy_text, read_regular_file
+from sluice.policy import loader
+from sluice.policy.loader import MAX_POLICY_BYTES, PolicyInvalid, load_policy_file, load_policy_text, read_regular_file
 
 # A shadow-style line: what a policy path pointed at /etc/shadow would hold.
 HASH = "Yp1" + "AbCdEfGhIjKlMnOpQrStUvWxYz0123456789./" * 2 + "zZ"

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from policy.loader import PolicyInvalid, load_policy_text
-from policy.model import Limits
+from sluice.policy.loader import PolicyInvalid, load_policy_text
+from sluice.policy.model import Limits
 
 
 def load(text: str):

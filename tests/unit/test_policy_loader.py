@@ -1,4 +1,4 @@
-"""policy.loader: every kind of problem, reported as FILE:LINE:COL: message."""
+"""sluice.policy.loader: every kind of problem, reported as FILE:LINE:COL: message."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import time
 
 import pytest
 
-from policy.clients import verify_password
-from policy.loader import (
+from sluice.policy.clients import verify_password
+from sluice.policy.loader import (
     MAX_NODES,
     MAX_POLICY_BYTES,
     PolicyInvalid,
@@ -18,7 +18,7 @@ from policy.loader import (
     parse_duration,
     parse_size,
 )
-from policy.model import DEFAULT_PORTS, MIB, STANDARD_METHODS, Limits
+from sluice.policy.model import DEFAULT_PORTS, MIB, STANDARD_METHODS, Limits
 
 
 def problems(text: str) -> list[tuple[int, int, str]]:

@@ -1,4 +1,4 @@
-"""policy.matchers: host patterns (exact, *., **., *, IP, CIDR), their
+"""sluice.policy.matchers: host patterns (exact, *., **., *, IP, CIDR), their
 normalisation, and address sets."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import time
 import netaddr
 import pytest
 
-from policy.hosts import IPHost, NameHost, parse_host
-from policy.matchers import AddressSet, HostMatcher, PatternError, parse_cidr, parse_host_pattern
+from sluice.policy.hosts import IPHost, NameHost, parse_host
+from sluice.policy.matchers import AddressSet, HostMatcher, PatternError, parse_cidr, parse_host_pattern
 
 
 def matcher(*patterns: str) -> HostMatcher:

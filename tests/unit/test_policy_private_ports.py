@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from policy.decide import Destination, check_address, check_answers, check_request
-from policy.loader import load_policy_text
+from sluice.policy.decide import Destination, check_address, check_answers, check_request
+from sluice.policy.loader import load_policy_text
 
 RULES = load_policy_text(
     'version: 1\nprivate_networks: ["10.0.0.5/32", "10.0.0.0/8:8080", "192.168.0.0/16", "192.168.1.1/32:9000"]\n'

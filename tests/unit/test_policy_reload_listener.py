@@ -8,7 +8,7 @@ import threading
 import pytest
 from mitmproxy.test import taddons
 
-from addons.policy_source import LivePolicy, PolicySource
+from sluice.addons.policy_source import LivePolicy, PolicySource
 
 GOOD = "version: 1\nallow: ['example.com']\n"
 OTHER = "version: 1\nallow: ['example.org']\n"

@@ -15,12 +15,12 @@ from mitmproxy.proxy.context import Context
 from mitmproxy.proxy.layers import modes
 from mitmproxy.proxy.layers.http._http1 import Http1Server
 
-from addons import mitm_patches
-from addons.identity import ClientIdentifier
-from addons.refusals import error_bytes
-from policy.clients import SECRET_PREFIX, match_client, secret_verifier, verify_password
-from policy.loader import PolicyInvalid, hash_password, load_policy_file, load_policy_text
-from policy.reasons import POLICY_SUFFIX, Reason, Refusal
+from sluice.addons import mitm_patches
+from sluice.addons.identity import ClientIdentifier
+from sluice.addons.refusals import error_bytes
+from sluice.policy.clients import SECRET_PREFIX, match_client, secret_verifier, verify_password
+from sluice.policy.loader import PolicyInvalid, hash_password, load_policy_file, load_policy_text
+from sluice.policy.reasons import POLICY_SUFFIX, Reason, Refusal
 
 
 # ---- http1_error_pages -------------------------------------------------------------
