@@ -72,9 +72,10 @@ class EgressGate:
         self.audit = audit
         self.caps = caps
         self.identity = ClientIdentifier()
-        # client id -> {(ip, port): the rules that approved it}: what the
-        # request-level gate approved and pinned, so server_connect knows the
-        # host rules were already applied.
+        # client id -> {(ip, port): the rules that approved it}: what the gate
+        # approved and pinned for that client connection. server_connect
+        # knows from it that the host rules were applied; the dial check and
+        # the connected-peer check admit nothing else.
         self._approved: dict[str, dict[tuple[str, int], Rules]] = {}
         # tunnel server connection id -> the tunnel's verdict (its real host),
         # and client id -> those server ids, for clean-up.
