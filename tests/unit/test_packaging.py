@@ -15,7 +15,8 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_the_distribution_declares_only_the_sluice_package():
     config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
     assert all(p == "sluice" or p.startswith("sluice.") for p in config["packages"])
-    assert config["package-dir"] == {"sluice": "sluice", "sluice.addons": "addons", "sluice.policy": "policy"}
+    assert config["package-dir"] == {"sluice": "sluice", "sluice.addons": "addons", "sluice.policy": "policy",
+                                     "sluice.webtools": "webtools"}
 
 
 def test_outside_the_checkout_only_sluice_imports(tmp_path):

@@ -1,0 +1,429 @@
+"""Main-content extraction on lxml, then html2text (used by webtools.convert).
+
+The steps, each one linear pass over the tree:
+
+1. parse with libxml2's HTML parser (comments and processing instructions
+   dropped, no network);
+2. drop what is never content: scripts, styles, templates, forms' controls,
+   embedded frames and SVG, hidden elements, and page chrome (nav, aside,
+   footer, page-level header, and elements whose class/id/role say menu,
+   cookie banner, share bar, sidebar, related links, ...);
+3. score blocks readability-style: each paragraph-like element with text adds
+   to its parent and grandparents; the best-scoring container, discounted by
+   its link density, is the main content, joined by siblings that score well;
+4. within it, drop link lists and other link-dense leftovers;
+5. html2text on that subtree only, with code blocks fenced.
+"""
+
+from __future__ import annotations
+
+import re
+import secrets
+from urllib.parse import urljoin
+
+import html2text
+from lxml import etree
+from lxml import html as lxml_html
+
+# --- parsing ---------------------------------------------------------------
+
+_XML_DECL = re.compile(r"^\s*<\?xml[^>]*>", re.IGNORECASE)
+_WS = re.compile(r"\s+")
+_BAD_CHARS = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\ufffe\uffff]")
+
+
+def _parse(text: str):
+    """An lxml HtmlElement root, or None when there is nothing to parse."""
+    text = _BAD_CHARS.sub(" ", _XML_DECL.sub("", text, count=1))
+    if not text.strip():
+        return None
+    parser = lxml_html.HTMLParser(encoding="utf-8", remove_comments=True, remove_pis=True,
+                                  no_network=True, recover=True, default_doctype=False)
+    try:
+        root = lxml_html.document_fromstring(text.encode("utf-8", "replace"), parser=parser)
+    except (etree.ParserError, etree.XMLSyntaxError, ValueError):
+        return None
+    return root
+
+
+def _collapse(s: str) -> str:
+    return _WS.sub(" ", s).strip()
+
+
+def _title(root) -> str | None:
+    for el in root.iter("title"):
+        t = _collapse(el.text_content())
+        if t:
+            return t
+    return None
+
+
+# --- cleaning --------------------------------------------------------------
+
+_NEVER_CONTENT = {"script", "style", "noscript", "template", "svg", "math", "canvas", "iframe", "frame",
+                  "frameset", "object", "embed", "applet", "audio", "video", "source", "track", "map",
+                  "input", "button", "select", "textarea", "option", "datalist", "dialog", "meta", "link",
+                  "base", "head"}
+_CHROME_TAGS = {"nav", "aside", "footer", "menu"}
+_BLOCK = {"address", "article", "aside", "blockquote", "br", "dd", "details", "dialog", "div", "dl", "dt",
+          "fieldset", "figcaption", "figure", "footer", "form", "h1", "h2", "h3", "h4", "h5", "h6", "header",
+          "hr", "li", "main", "nav", "ol", "p", "pre", "section", "summary", "table", "tbody", "td", "tfoot",
+          "th", "thead", "tr", "ul", "caption", "center", "body", "html", "option", "title", "img"}
+
+_NEGATIVE = re.compile(
+    r"(?:^|[\s_\-])(?:cookie|consent|gdpr|banner|newsletter|subscri|signup|sign-up|social|share|sharing|"
+    r"sidebar|side-bar|widget|related|recommend|promo|sponsor|advert|ads?|adsense|breadcrumbs?|menu|navbar|"
+    r"nav|navigation|masthead|topbar|footer|foot|header-nav|skip|popup|modal|overlay|tooltip|toolbar|"
+    r"pagination|pager|paywall|outbrain|taboola|disqus|comments?|comment-list|respond|reply-form|tags|"
+    r"tag-list|byline-share|author-bio|print|login|shopping-cart|cart-drawer|hidden|visually-hidden|"
+    r"sr-only|screen-reader)(?:$|[\s_\-])",
+    re.IGNORECASE)
+_POSITIVE = re.compile(
+    r"(?:^|[\s_\-])(?:article|content|main|post|entry|story|text|body|blog|prose|markdown|documentation|"
+    r"docs?|message|thread|product|description)(?:$|[\s_\-]|\w)", re.IGNORECASE)
+_CHROME_ROLES = {"navigation", "banner", "contentinfo", "complementary", "search", "menu", "menubar",
+                 "dialog", "alertdialog", "toolbar", "tablist"}
+_HIDDEN_STYLE = re.compile(r"display\s*:\s*none|visibility\s*:\s*hidden", re.IGNORECASE)
+
+
+def _attrs(el) -> str:
+    return f"{el.get('class') or ''} {el.get('id') or ''}"
+
+
+def _is_hidden(el) -> bool:
+    if el.get("hidden") is not None or (el.get("aria-hidden") or "").lower() == "true":
+        return True
+    style = el.get("style")
+    return bool(style and _HIDDEN_STYLE.search(style))
+
+
+def _drop(el) -> None:
+    """Remove `el` and its subtree, keeping its tail text in place."""
+    parent = el.getparent()
+    if parent is None:
+        return
+    tail = el.tail
+    if tail and tail.strip():
+        prev = el.getprevious()
+        if prev is not None:
+            prev.tail = (prev.tail or "") + tail
+        else:
+            parent.text = (parent.text or "") + tail
+    parent.remove(el)
+
+
+def _protected(root) -> set:
+    """Elements holding an <article>, <main> or role=main: never dropped as chrome by class name."""
+    keep: set = set()
+    for el in root.iter("article", "main"):
+        _mark_up(el, keep)
+    for el in root.xpath("//*[@role='main' or @itemprop='articleBody']"):
+        _mark_up(el, keep)
+    return keep
+
+
+def _mark_up(el, keep: set) -> None:
+    while el is not None and el not in keep:
+        keep.add(el)
+        el = el.getparent()
+
+
+def _clean(root, *, chrome: bool) -> None:
+    """Drop never-content elements (and page chrome when `chrome`), top-down, in one pass."""
+    keep = _protected(root) if chrome else set()
+    stack = [root]
+    while stack:
+        el = stack.pop()
+        for child in list(el):
+            tag = child.tag
+            if not isinstance(tag, str):  # comment, PI, entity
+                _drop(child)
+                continue
+            tag = tag.lower()
+            if tag in _NEVER_CONTENT or _is_hidden(child):
+                _drop(child)
+                continue
+            if tag == "img":
+                src = child.get("src") or ""
+                if src.startswith("data:") or not src:
+                    _drop(child)
+                continue
+            if chrome and child not in keep:
+                role = (child.get("role") or "").lower()
+                if tag in _CHROME_TAGS or role in _CHROME_ROLES:
+                    _drop(child)
+                    continue
+                if tag == "header" and el.tag in {"body", "html"}:
+                    _drop(child)
+                    continue
+                attrs = _attrs(child)
+                if attrs.strip() and _NEGATIVE.search(attrs) and not _POSITIVE.search(attrs) \
+                        and tag not in {"body", "html", "pre", "code", "table", "tbody", "tr", "td", "th"}:
+                    _drop(child)
+                    continue
+            stack.append(child)
+
+
+# --- scoring ---------------------------------------------------------------
+
+_PARAGRAPHS = {"p", "pre", "blockquote", "td", "dd", "li", "h2", "h3", "h4"}
+_CONTAINERS = {"div", "article", "section", "main", "td", "body", "blockquote", "ul", "ol", "table", "tbody",
+               "form", "center", "span", "font", "dl", "header"}
+
+
+def _measure(root) -> tuple[dict, dict]:
+    """Per element: characters of text in its subtree, and of those inside links (one bottom-up pass)."""
+    text_len: dict = {}
+    link_len: dict = {}
+    order = [el for el in root.iter() if isinstance(el.tag, str)]
+    for el in reversed(order):  # descendants before ancestors
+        n = len(el.text.strip()) if el.text else 0
+        links = 0
+        for child in el:
+            if not isinstance(child.tag, str):
+                continue
+            n += text_len.get(child, 0)
+            links += link_len.get(child, 0)
+            if child.tail:
+                n += len(child.tail.strip())
+        if el.tag == "a":
+            links = n
+        text_len[el] = n
+        link_len[el] = links
+    return text_len, link_len
+
+
+def _main_node(root, text_len: dict, link_len: dict):
+    scores: dict = {}
+    for el in root.iter(*_PARAGRAPHS):
+        n = text_len.get(el, 0)
+        if n < 25:
+            continue
+        if link_len.get(el, 0) > 0.6 * n:
+            continue
+        text = el.text_content() if n < 20000 else ""
+        s = 1.0 + text.count(",") + text.count("，") + min(n // 100, 3)
+        parent = el.getparent()
+        depth = 0
+        while parent is not None and depth < 3:
+            scores[parent] = scores.get(parent, 0.0) + s / (1, 2, 3)[depth]
+            parent = parent.getparent()
+            depth += 1
+    if not scores:
+        return None
+    best, best_score = None, 0.0
+    for el, s in scores.items():
+        n = text_len.get(el, 0) or 1
+        density = link_len.get(el, 0) / n
+        attrs = _attrs(el)
+        if _POSITIVE.search(attrs):
+            s *= 1.25
+        if el.tag in {"article", "main"} or el.get("role") == "main" or el.get("itemprop") == "articleBody":
+            s *= 1.5
+        s *= 1.0 - min(density, 1.0)
+        if s > best_score:
+            best, best_score = el, s
+    return best, best_score, scores
+
+
+def _gather(best, best_score: float, scores: dict, text_len: dict, link_len: dict) -> list:
+    """The best node plus siblings that belong with it (readability's sibling step)."""
+    parent = best.getparent()
+    if parent is None:
+        return [best]
+    threshold = max(10.0, best_score * 0.2)
+    out = []
+    for sib in parent:
+        if not isinstance(sib.tag, str):
+            continue
+        if sib is best:
+            out.append(sib)
+            continue
+        n = text_len.get(sib, 0)
+        density = link_len.get(sib, 0) / n if n else 1.0
+        if scores.get(sib, 0.0) * (1 - density) >= threshold:
+            out.append(sib)
+        elif sib.tag == "p" and ((n > 80 and density < 0.25) or (0 < n <= 80 and density == 0 and "." in (sib.text_content()))):
+            out.append(sib)
+        elif sib.tag in {"pre", "table", "ul", "ol", "h2", "h3", "h4", "blockquote", "figure"} and n and density < 0.3:
+            out.append(sib)
+    return out
+
+
+def _prune(nodes: list, text_len: dict, link_len: dict) -> None:
+    """Inside the chosen content: drop link lists and link-dense boxes (related links, tag clouds)."""
+    for node in nodes:
+        victims = []
+        for el in node.iter("div", "ul", "ol", "section", "table", "dl", "p", "span"):
+            n = text_len.get(el, 0)
+            links = link_len.get(el, 0)
+            if n == 0:
+                if el.tag in {"div", "section", "span", "p"} and not len(el.xpath(".//img|.//table|.//pre")):
+                    victims.append(el)
+                continue
+            if el.tag == "table" and links < 0.5 * n:
+                continue
+            if links > 0.5 * n and n < 1000 and el.tag != "p":
+                victims.append(el)
+        for el in victims:
+            if el.getparent() is not None:
+                _drop(el)
+
+
+# --- markdown --------------------------------------------------------------
+
+def _h2t(base_url: str | None) -> html2text.HTML2Text:
+    h = html2text.HTML2Text(baseurl=base_url or "")
+    h.body_width = 0
+    h.unicode_snob = True
+    h.ignore_images = False
+    h.images_to_alt = False
+    h.ignore_emphasis = False
+    h.protect_links = False
+    h.wrap_links = False
+    h.wrap_list_items = False
+    h.skip_internal_links = True
+    h.ignore_mailto_links = False
+    h.single_line_break = False
+    h.mark_code = False
+    h.pad_tables = False
+    return h
+
+
+_LANG = re.compile(r"(?:language|lang|highlight)-([A-Za-z0-9_+#.\-]{1,24})")
+_BLANKS = re.compile(r"\n{3,}")
+
+
+def _fence_code(nodes: list) -> dict[str, str]:
+    """Replace each <pre> by a placeholder paragraph; return placeholder → fenced code block."""
+    blocks: dict[str, str] = {}
+    nonce = secrets.token_hex(6)
+    for node in nodes:
+        for i, pre in enumerate(list(node.iter("pre"))):
+            if pre.getparent() is None and pre is not node:
+                continue
+            code = pre.text_content().strip("\n")
+            if not code.strip():
+                continue
+            lang = ""
+            for el in (pre, *pre.iter("code")):
+                m = _LANG.search(el.get("class") or "")
+                if m:
+                    lang = m.group(1)
+                    break
+            fence = "```"
+            while fence in code:
+                fence += "`"
+            key = f"SLUICECODE{nonce}X{len(blocks)}"
+            blocks[key] = f"{fence}{lang}\n{code}\n{fence}"
+            repl = lxml_html.Element("p")
+            repl.text = key
+            repl.tail = pre.tail
+            parent = pre.getparent()
+            if parent is None:  # the node itself is a <pre>
+                continue
+            parent.replace(pre, repl)
+    return blocks
+
+
+def _markdown(nodes: list, base_url: str | None) -> str:
+    blocks = _fence_code(nodes)
+    parts = []
+    for node in nodes:
+        parts.append(lxml_html.tostring(node, encoding="unicode", method="html", with_tail=False))
+    md = _h2t(base_url).handle("".join(parts))
+    for key, block in blocks.items():
+        md = md.replace(key, block, 1)
+    md = "\n".join(line.rstrip() for line in md.split("\n"))
+    return _BLANKS.sub("\n\n", md).strip() + "\n" if md.strip() else ""
+
+
+# --- public entry points -----------------------------------------------------
+
+_APP_ROOT = re.compile(r"^(?:root|app|__next|__nuxt|svelte|main-app|application)$", re.IGNORECASE)
+
+
+def _looks_like_app(root, body_text_len: int, had_scripts: bool) -> bool:
+    if not had_scripts:
+        return False
+    return body_text_len < 200
+
+
+def _base(root, base_url: str | None) -> str | None:
+    for el in root.iter("base"):
+        href = (el.get("href") or "").strip()
+        if href:
+            try:
+                return urljoin(base_url or "", href)
+            except ValueError:
+                return base_url
+        break
+    return base_url
+
+
+def convert(text: str, base_url: str | None):
+    from sluice.webtools.convert import Converted
+
+    root = _parse(text)
+    if root is None:
+        return Converted(title=None, markdown="", needs_javascript=False)
+    title = _title(root)
+    base_url = _base(root, base_url)
+    had_scripts = next(root.iter("script"), None) is not None
+    body = root.find("body")
+    if body is None:
+        body = root
+    _clean(body, chrome=False)
+    full_len = len(_collapse(body.text_content()))
+    needs_js = _looks_like_app(root, full_len, had_scripts)
+    _clean(body, chrome=True)
+    text_len, link_len = _measure(body)
+    found = _main_node(body, text_len, link_len)
+    if found is None:
+        nodes = [body]
+    else:
+        best, best_score, scores = found
+        nodes = _gather(best, best_score, scores, text_len, link_len)
+        _prune(nodes, text_len, link_len)
+    try:
+        md = _markdown(nodes, base_url)
+    except Exception:  # html2text on hostile markup: fall back to the text
+        md = _collapse(" ".join(n.text_content() for n in nodes))
+    return Converted(title=title, markdown=md, needs_javascript=needs_js)
+
+
+_INVISIBLE = {"script", "style", "noscript", "template", "head", "title", "meta", "link", "base"}
+
+
+def visible(text: str) -> tuple[str | None, str]:
+    root = _parse(text)
+    if root is None:
+        return None, ""
+    title = _title(root)
+    parts: list[str] = []
+    skip = 0
+    for event, el in etree.iterwalk(root, events=("start", "end")):
+        tag = el.tag if isinstance(el.tag, str) else ""
+        invisible = tag in _INVISIBLE or not tag or (tag == "input" and (el.get("type") or "").lower() == "hidden")
+        if event == "start":
+            if skip:
+                skip += 1
+                continue
+            if invisible:
+                skip = 1
+                continue
+            if tag in _BLOCK:
+                parts.append(" ")
+            if el.text:
+                parts.append(el.text)
+        else:
+            if skip:
+                skip -= 1
+                if skip == 0 and el.tail:
+                    parts.append(el.tail)
+                continue
+            if tag in _BLOCK:
+                parts.append(" ")
+            if el.tail:
+                parts.append(el.tail)
+    return title, _collapse("".join(parts))
