@@ -128,7 +128,13 @@ def _mark_up(el, keep: set) -> None:
         el = el.getparent()
 
 
-def _clean(root, *, chrome: bool) -> None:
+# The light pre-reduction before trafilatura: structural chrome and consent
+# banners only. Dropping more by class name here measured worse (it removes
+# content trafilatura would have kept); the full pattern is for the fallback.
+_CONSENT = re.compile(r"(?:^|[\s_\-])(?:cookies?|consent|gdpr|cookiebanner|cc-banner)(?:$|[\s_\-])", re.IGNORECASE)
+
+
+def _clean(root, *, chrome: bool, negative: re.Pattern = _NEGATIVE) -> None:
     """Drop never-content elements (and page chrome when `chrome`), top-down, in one pass."""
     keep = _protected(root) if chrome else set()
     stack = [root]
@@ -157,7 +163,7 @@ def _clean(root, *, chrome: bool) -> None:
                     _drop(child)
                     continue
                 attrs = _attrs(child)
-                if attrs.strip() and _NEGATIVE.search(attrs) and not _POSITIVE.search(attrs) \
+                if attrs.strip() and negative.search(attrs) and not _POSITIVE.search(attrs) \
                         and tag not in {"body", "html", "pre", "code", "table", "tbody", "tr", "td", "th"}:
                     _drop(child)
                     continue
@@ -361,6 +367,45 @@ def _base(root, base_url: str | None) -> str | None:
     return base_url
 
 
+def _reduce(body, base_url: str | None) -> str:
+    """Sluice's own reducer (the fallback): full chrome removal, block scoring, html2text."""
+    _clean(body, chrome=True)
+    text_len, link_len = _measure(body)
+    found = _main_node(body, text_len, link_len)
+    if found is None:
+        nodes = [body]
+    else:
+        best, best_score, scores = found
+        nodes = _gather(best, best_score, scores, text_len, link_len)
+        _prune(nodes, text_len, link_len)
+    try:
+        return _markdown(nodes, base_url)
+    except Exception:  # html2text on hostile markup: fall back to the text
+        return _collapse(" ".join(n.text_content() for n in nodes))
+
+
+_TRAILING_WS = re.compile(r"[ \t]+$", re.MULTILINE)
+
+
+def _trafilatura(root, base_url: str | None) -> str:
+    """trafilatura's main-content extraction as markdown ("" when it finds none or fails)."""
+    import logging
+
+    import trafilatura
+
+    logging.getLogger("trafilatura").setLevel(logging.CRITICAL)
+    try:
+        md = trafilatura.extract(root, url=base_url, output_format="markdown", include_links=True,
+                                 include_formatting=True, include_tables=True, include_images=False,
+                                 include_comments=False, deduplicate=False, with_metadata=False)
+    except (Exception, RecursionError):
+        return ""
+    if not md:
+        return ""
+    md = _BLANKS.sub("\n\n", _TRAILING_WS.sub("", md)).strip()
+    return md + "\n" if md else ""
+
+
 def convert(text: str, base_url: str | None):
     from sluice.webtools.convert import Converted
 
@@ -376,19 +421,21 @@ def convert(text: str, base_url: str | None):
     _clean(body, chrome=False)
     full_len = len(_collapse(body.text_content()))
     needs_js = _looks_like_app(root, full_len, had_scripts)
-    _clean(body, chrome=True)
-    text_len, link_len = _measure(body)
-    found = _main_node(body, text_len, link_len)
-    if found is None:
-        nodes = [body]
-    else:
-        best, best_score, scores = found
-        nodes = _gather(best, best_score, scores, text_len, link_len)
-        _prune(nodes, text_len, link_len)
-    try:
-        md = _markdown(nodes, base_url)
-    except Exception:  # html2text on hostile markup: fall back to the text
-        md = _collapse(" ".join(n.text_content() for n in nodes))
+    if full_len == 0:
+        return Converted(title=title, markdown="", needs_javascript=needs_js)
+    _clean(body, chrome=True, negative=_CONSENT)
+    md = _trafilatura(root, base_url)
+    if len(md) < 250:
+        # trafilatura found nothing, or next to nothing (a short note, a page of
+        # links, a table-only page): Sluice's own reducer on a fresh parse, if it
+        # finds more.
+        fresh = _parse(text)
+        fbody = fresh.find("body") if fresh is not None else None
+        if fbody is not None:
+            _clean(fbody, chrome=False)
+            own = _reduce(fbody, base_url)
+            if len(own) > len(md):
+                md = own
     return Converted(title=title, markdown=md, needs_javascript=needs_js)
 
 
