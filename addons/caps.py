@@ -14,14 +14,13 @@ import asyncio
 
 from mitmproxy import connection, http
 from mitmproxy.connection import ConnectionState
-from mitmproxy.net.http import status_codes
 from mitmproxy.proxy.server_hooks import ServerConnectionHookData
 
 from sluice.addons import connections
 from sluice.addons.audit import AuditLog
 from sluice.addons.failsafe import fail_closed
 from sluice.addons.policy_source import PolicySource
-from sluice.addons.refusals import answer_now, noted, refusal_body, refusal_headers, refusal_response
+from sluice.addons.refusals import answer_now, noted, refusal_bytes, refusal_response
 from sluice.addons.verdict import Verdict, verdict_of
 from sluice.policy.model import Limits, Rules
 from sluice.policy.reasons import Reason, Refusal
@@ -169,10 +168,7 @@ class Caps:
         verdict.cap = refusal
         refusal = noted(flow, refusal)
         if not verdict.response_started and not (flow.request.is_http2 or flow.request.is_http3):
-            raw = connections.http1_response_bytes(
-                refusal.status, status_codes.RESPONSES.get(refusal.status, ""), refusal_headers(refusal), refusal_body(refusal)
-            )
-            connections.write_to_client(flow.client_conn, raw)
+            connections.write_to_client(flow.client_conn, refusal_bytes(refusal))
         connections.close_client(flow.client_conn)
         self._finish(flow)
         self.audit.http_flow(flow)

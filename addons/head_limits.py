@@ -24,12 +24,12 @@ from __future__ import annotations
 import asyncio
 
 from mitmproxy import connection, http
-from mitmproxy.net.http import http1, status_codes
+from mitmproxy.net.http import http1
 
 from sluice.addons import connections, mitm_patches
 from sluice.addons.audit import AuditLog, peer
 from sluice.addons.policy_source import PolicySource
-from sluice.addons.refusals import refusal_body, refusal_headers
+from sluice.addons.refusals import refusal_bytes
 from sluice.policy.model import Limits
 from sluice.policy.reasons import Reason, Refusal
 
@@ -84,9 +84,7 @@ class HeadLimits:
         asyncio.get_running_loop().call_soon(connections.close_client, client)
         if not answered:
             return b""
-        return connections.http1_response_bytes(
-            refusal.status, status_codes.RESPONSES.get(refusal.status, ""), refusal_headers(refusal), refusal_body(refusal)
-        )
+        return refusal_bytes(refusal)
 
     # ---- Expect: 100-continue ------------------------------------------------
 

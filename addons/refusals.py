@@ -45,15 +45,26 @@ def refusal_body(refusal: Refusal) -> bytes:
     return (refusal.message + "\n").encode("utf-8", "backslashreplace")
 
 
+def refusal_phrase(refusal: Refusal) -> str:
+    """The HTTP/1 reason phrase of a refusal: `Sluice <code>`, e.g.
+    `HTTP/1.1 403 Sluice address_not_public`. A client that sees only the
+    status line (a refused CONNECT: httpx/httpcore, curl and most libraries
+    drop its headers and body) still learns the reason code from it."""
+    return f"Sluice {refusal.reason.value}"
+
+
 def refusal_response(refusal: Refusal) -> http.Response:
-    return http.Response.make(refusal.status, refusal_body(refusal), refusal_headers(refusal))
+    response = http.Response.make(refusal.status, refusal_body(refusal), refusal_headers(refusal))
+    response.reason = refusal_phrase(refusal)
+    return response
 
 
 def refusal_bytes(refusal: Refusal) -> bytes:
     """The whole refusal as raw HTTP/1 (Connection: close): for a client
-    that gets it in place of one of mitmproxy's own error pages."""
+    that gets it in place of one of mitmproxy's own error pages, or straight
+    on its socket."""
     return connections.http1_response_bytes(
-        refusal.status, status_codes.RESPONSES.get(refusal.status, ""), refusal_headers(refusal), refusal_body(refusal)
+        refusal.status, refusal_phrase(refusal), refusal_headers(refusal), refusal_body(refusal)
     )
 
 
@@ -92,10 +103,7 @@ def answer_now(f: http.HTTPFlow, refusal: Refusal) -> None:
     The refusal ends with the operator's sentence for the flow's client."""
     refusal = noted(f, refusal)
     if plain_http1(f):
-        raw = connections.http1_response_bytes(
-            refusal.status, status_codes.RESPONSES.get(refusal.status, ""), refusal_headers(refusal), refusal_body(refusal)
-        )
-        connections.write_to_client(f.client_conn, raw)
+        connections.write_to_client(f.client_conn, refusal_bytes(refusal))
         if f.killable:
             f.kill()
         return

@@ -147,6 +147,10 @@ def _parser() -> argparse.ArgumentParser:
         description="Read a password from stdin (one trailing newline is dropped), or prompt for it twice "
                     "on a terminal, and print the verifier to put under users: NAME: password_hash:.",
     )
+
+    from sluice.webtools.cli import add_parsers as add_web_parsers
+
+    add_web_parsers(sub)  # fetch, source-read, read, request, sitemap
     return p
 
 
@@ -230,6 +234,12 @@ def _main(argv: list[str] | None) -> int:
         from sluice import policy_cli
 
         return policy_cli.dispatch(args)
+    from sluice.webtools.cli import COMMANDS as WEB_COMMANDS
+
+    if args.command in WEB_COMMANDS:
+        from sluice.webtools.cli import dispatch as web_dispatch
+
+        return web_dispatch(args)
     return 2
 
 

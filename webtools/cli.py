@@ -1,0 +1,83 @@
+"""`sluice fetch | source-read | read | request | sitemap ... [--json]`.
+
+Each prints the model-facing text (default) or the result dict (`--json`),
+and exits 1 on an error (the message, or the error dict with --json). The
+environment configures them as for any caller: SLUICE_PROXY (or
+HTTPS_PROXY/HTTP_PROXY/ALL_PROXY), SLUICE_CA_CERT, SLUICE_OWNER,
+SLUICE_SOURCES.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+COMMANDS = ("fetch", "source-read", "read", "request", "sitemap")
+EXIT_ERROR = 1
+
+
+def add_parsers(sub) -> None:
+    """Add the web tool subcommands to the `sluice` parser's subparsers."""
+    def common(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--json", action="store_true", help="print the result dict as JSON instead of the model-facing text")
+
+    p = sub.add_parser("fetch", help="web tool: read a page through the proxy as markdown, one window at a time",
+                       description="Fetch URL through the Sluice proxy (SLUICE_PROXY) and print one window of it as "
+                                   "markdown in its envelope; images and PDFs as base64 with --json. Exit 1 on an error.")
+    p.add_argument("url", metavar="URL")
+    p.add_argument("--offset", type=int, default=0, metavar="N", help="first character of the window (default 0)")
+    p.add_argument("--max-chars", type=int, default=40000, metavar="N", help="window size (default 40000)")
+    common(p)
+
+    p = sub.add_parser("source-read", help="web tool: another window of a page fetched earlier, from the store",
+                       description="Print a window of a source fetched earlier by this owner (SLUICE_OWNER), from the "
+                                   "source store (SLUICE_SOURCES), with no network request.")
+    p.add_argument("source_id", metavar="ID")
+    p.add_argument("--offset", type=int, default=0, metavar="N")
+    p.add_argument("--max-chars", type=int, default=40000, metavar="N")
+    common(p)
+
+    p = sub.add_parser("read", help="web tool: a page's whole visible text and its sha256")
+    p.add_argument("url", metavar="URL")
+    common(p)
+
+    p = sub.add_parser("request", help="web tool: one GET, the text or JSON body with status and sha256")
+    p.add_argument("url", metavar="URL")
+    p.add_argument("--method", default="GET", metavar="M", help="GET, the only method")
+    p.add_argument("--header", action="append", default=[], metavar="'NAME: VALUE'", dest="headers",
+                   help="accept or accept-language, repeatable")
+    common(p)
+
+    p = sub.add_parser("sitemap", help="web tool: the entries of an XML sitemap or sitemap index")
+    p.add_argument("url", metavar="URL")
+    common(p)
+
+
+def dispatch(args) -> int:
+    from sluice.webtools.tools import TOOLS, render
+
+    command = args.command
+    if command == "fetch":
+        name, kwargs = "fetch", {"url": args.url, "offset": args.offset, "max_chars": args.max_chars}
+    elif command == "source-read":
+        name, kwargs = "source_read", {"source_id": args.source_id, "offset": args.offset, "max_chars": args.max_chars}
+    elif command == "request":
+        headers = {}
+        for line in args.headers:
+            key, sep, value = line.partition(":")
+            if not sep:
+                print(f"sluice: --header takes 'NAME: VALUE' (got {line!r})", file=sys.stderr)
+                return 2
+            headers[key.strip()] = value.strip()
+        name, kwargs = "request", {"url": args.url, "method": args.method, "headers": headers}
+    else:
+        name, kwargs = command, {"url": args.url}
+    result = TOOLS[name].function(**kwargs)
+    failed = "error" in result
+    if args.json:
+        print(json.dumps(result, ensure_ascii=False, indent=2))
+    else:
+        text = render(name, result)
+        print(text, file=sys.stderr if failed else sys.stdout)
+    return EXIT_ERROR if failed else 0

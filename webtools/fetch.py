@@ -1,0 +1,190 @@
+"""fetch and source_read: a page as markdown, in windows, in an envelope.
+
+fetch(url, offset=0, max_chars=40000) reads a page through the proxy (up to
+2 MiB, marked `truncated` past that), reduces HTML and XHTML to their main
+content as markdown (webtools.convert), keeps plain text, markdown, JSON and
+XML as they are, stores the result as a source owned by the caller, and
+returns one window of it. Images (jpeg, png, gif, webp; <= 5 MiB) and PDFs
+(<= 10 MiB) come back whole as base64 `data`, never truncated; other types
+are refused from the headers, before the body is read.
+
+source_read(source_id, offset=0, max_chars=40000) returns a window of a page
+fetched earlier by the same owner, from the store, with no request.
+"""
+
+from __future__ import annotations
+
+import base64
+import codecs
+import hashlib
+from datetime import datetime, timezone
+
+from sluice.webtools.client import Fetched, Limits, ReadPlan, WebClient
+from sluice.webtools.errors import WebError
+from sluice.webtools.store import SourceStore, default_owner, default_store
+from sluice.webtools.window import (DEFAULT_MAX_CHARS, check_window_args, envelope, paging_note, window)
+
+IMAGE_TYPES = frozenset({"image/jpeg", "image/png", "image/gif", "image/webp"})
+PDF_TYPE = "application/pdf"
+HTML_TYPES = frozenset({"text/html", "application/xhtml+xml"})
+TEXT_APPLICATION_TYPES = frozenset({
+    "application/json", "application/xml", "application/javascript", "application/ecmascript",
+    "application/x-ndjson", "application/yaml", "application/x-yaml", "application/toml",
+})
+
+
+def is_text_type(mime: str) -> bool:
+    """Text a model can read as it is (HTML excepted: it is converted)."""
+    return (mime.startswith("text/") or mime in TEXT_APPLICATION_TYPES
+            or mime.endswith("+json") or mime.endswith("+xml"))
+
+
+def decode_text(body: bytes, charset: str | None) -> str:
+    """Bytes -> str: a BOM wins, then the declared charset, then UTF-8;
+    undecodable bytes become U+FFFD."""
+    for bom, name in ((codecs.BOM_UTF8, "utf-8"), (codecs.BOM_UTF16_LE, "utf-16-le"), (codecs.BOM_UTF16_BE, "utf-16-be")):
+        if body.startswith(bom):
+            return body[len(bom):].decode(name, "replace")
+    if charset:
+        try:
+            return body.decode(codecs.lookup(charset).name, "replace")
+        except LookupError:
+            pass
+    return body.decode("utf-8", "replace")
+
+
+def now_rfc3339() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds").replace("+00:00", "Z")
+
+
+def status_not_ok(fetched: Fetched) -> WebError:
+    return WebError("web_status_not_ok", f"{fetched.final_url} answered {fetched.status}, not a 2xx status; "
+                    "the page was not read", status=fetched.status, url=fetched.url, final_url=fetched.final_url)
+
+
+def _fetch_plan(limits: Limits):
+    def classify(f: Fetched) -> ReadPlan:
+        if not 200 <= f.status < 300:
+            raise status_not_ok(f)
+        if f.mime in HTML_TYPES or is_text_type(f.mime):
+            return ReadPlan(limits.text_bytes, truncate=True)
+        if f.mime in IMAGE_TYPES:
+            return ReadPlan(limits.image_bytes)
+        if f.mime == PDF_TYPE:
+            return ReadPlan(limits.pdf_bytes)
+        shown = f.mime or "none (no Content-Type)"
+        hint = ("only JPEG, PNG, GIF and WebP images are passed to a model" if f.mime.startswith("image/")
+                else "fetch reads HTML, text, markdown, JSON, XML, images (JPEG, PNG, GIF, WebP) and PDF")
+        raise WebError("web_unsupported_type", f"{f.final_url} is of type {shown}, which fetch does not read: {hint}; "
+                       "the body was not downloaded", content_type=f.content_type, url=f.url, final_url=f.final_url)
+    return classify
+
+
+def fetch(url: str, offset: int = 0, max_chars: int = DEFAULT_MAX_CHARS, *, client: WebClient | None = None,
+          store: SourceStore | None = None, owner: str | None = None) -> dict:
+    try:
+        check_window_args(offset, max_chars)
+        own = client is None
+        client = client or WebClient(limits=Limits.from_env())
+        try:
+            fetched = client.get(url, classify=_fetch_plan(client.limits))
+        finally:
+            if own:
+                client.close()
+        if fetched.mime in IMAGE_TYPES or fetched.mime == PDF_TYPE:
+            return _binary(fetched)
+        if fetched.mime in HTML_TYPES:
+            from sluice.webtools.convert import html_to_markdown
+
+            converted = html_to_markdown(fetched.body, fetched.final_url, encoding=fetched.charset)
+            title, content, needs_js = converted.title, converted.markdown, converted.needs_javascript
+        else:
+            title, content, needs_js = None, decode_text(fetched.body, fetched.charset), False
+        source = {
+            "url": fetched.url, "final_url": fetched.final_url, "status": fetched.status,
+            "content_type": fetched.content_type, "title": title, "needs_javascript": needs_js,
+            "truncated": fetched.truncated, "captured_at": now_rfc3339(), "content": content,
+        }
+        store = store or default_store()
+        source["source_id"] = store.put(default_owner() if owner is None else owner, source)
+        return page_result(source, offset, max_chars)
+    except WebError as e:
+        return e.as_dict()
+
+
+def source_read(source_id: str, offset: int = 0, max_chars: int = DEFAULT_MAX_CHARS, *,
+                store: SourceStore | None = None, owner: str | None = None) -> dict:
+    try:
+        check_window_args(offset, max_chars)
+        store = store or default_store()
+        source = store.get(default_owner() if owner is None else owner, source_id)
+        if source is None:
+            raise WebError("web_source_not_found", f"there is no source {source_id!r} for this owner (unknown, expired "
+                           "or evicted, or fetched by someone else); fetch the URL again", source_id=source_id)
+        return page_result(source, offset, max_chars)
+    except WebError as e:
+        return e.as_dict()
+
+
+def page_result(source: dict, offset: int, max_chars: int) -> dict:
+    try:
+        w = window(source["content"], offset, max_chars)
+    except WebError as e:
+        e.fields["source_id"] = source["source_id"]
+        raise
+    result = {
+        "kind": "page",
+        "url": source["url"],
+        "final_url": source["final_url"],
+        "status": source["status"],
+        "content_type": source["content_type"],
+        "title": source["title"],
+        "captured_at": source["captured_at"],
+        "source_id": source["source_id"],
+        "total_chars": w["total_chars"],
+        "offset": w["offset"],
+        "end": w["end"],
+        "next_offset": w["next_offset"],
+        "truncated": source["truncated"],
+        "needs_javascript": source["needs_javascript"],
+        "content": w["content"],
+    }
+    result["text"] = page_text(result)
+    return result
+
+
+def page_text(r: dict) -> str:
+    lines = []
+    if r["title"]:
+        lines.append(f"Title: {r['title']}")
+    lines.append(f"URL: {r['final_url']}")
+    lines.append(f"Status: {r['status']} · source_id: {r['source_id']} · captured {r['captured_at']}")
+    note = paging_note(r)
+    if note:
+        lines.append(note)
+    if r["truncated"]:
+        lines.append("[truncated: the page was longer than the read cap (2 MiB by default); only its start was read]")
+    if r["needs_javascript"]:
+        lines.append("[this page needs JavaScript: it is an app shell with almost no text, and no scripts run here; "
+                     "look for another source]")
+    lines.append(envelope(r["content"], url=r["final_url"], title=r["title"]))
+    return "\n".join(lines)
+
+
+def _binary(f: Fetched) -> dict:
+    kind = "pdf" if f.mime == PDF_TYPE else "image"
+    return {
+        "kind": kind,
+        "url": f.url,
+        "final_url": f.final_url,
+        "status": f.status,
+        "content_type": f.mime,
+        "bytes": len(f.body),
+        "sha256": hashlib.sha256(f.body).hexdigest(),
+        "data": base64.b64encode(f.body).decode("ascii"),
+    }
+
+
+def binary_header(r: dict) -> str:
+    """The one-line text header that goes with an image or PDF part."""
+    return f"{'PDF' if r['kind'] == 'pdf' else 'Image'} {r['content_type']}, {r['bytes']:,} bytes, from {r['final_url']} (sha256 {r['sha256']})"
