@@ -4,20 +4,32 @@ VENV := .venv
 PY := $(VENV)/bin/python
 POLICY ?= config/policy.yaml
 LISTEN ?= 127.0.0.1:8080
+# The runtime dependencies, every version and hash pinned; the image installs the same file.
+LOCK := requirements.lock
 
-.PHONY: venv run test unit bench clean
+.PHONY: venv run test unit bench lock clean
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml $(LOCK)
 	@py=$$(scripts/find-python.sh) && $$py -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q --require-hashes -r $(LOCK)
 	@# The editable install maps addons/ and policy/ into the `sluice` package
 	@# (pyproject's package-dir); setuptools then prints an informational
 	@# UserWarning about editable mode, which is silenced here. The wheel itself
-	@# builds without warnings and holds only `sluice`.
+	@# builds without warnings and holds only `sluice`. Runtime dependencies
+	@# are already installed from the lock; this adds the test extras.
 	PYTHONWARNINGS=ignore::UserWarning $(PY) -m pip install -q -e '.[test]'
 	@touch $@
 
 venv: $(VENV)/.installed
+
+# Regenerate requirements.lock from pyproject.toml's runtime dependencies
+# (existing pins are kept unless LOCK_ARGS=--upgrade): run it whenever a
+# dependency is added or changed; tests/unit/test_lock.py fails until then.
+lock: venv
+	$(PY) -m pip install -q 'uv>=0.5'
+	$(VENV)/bin/uv pip compile pyproject.toml --universal --python-version 3.12 --generate-hashes \
+	    --custom-compile-command 'make lock' --quiet $(LOCK_ARGS) -o $(LOCK)
 
 run: venv
 	$(VENV)/bin/sluice proxy --policy $(POLICY) --listen $(LISTEN)
