@@ -2,31 +2,102 @@
 
 Only destinations the policy lists under `intercept` are decrypted; agents
 then need this CA's certificate (never its key) in their trust store.
+
+One CA for every replica: create it once (`sluice ca --ca-dir DIR`), store
+the directory's files in a Kubernetes Secret (or any read-only mount) and
+give every proxy `--ca-dir` pointing at the mount. mitmproxy writes a
+dhparam file beside the CA, and Sluice keeps the directory owner-only, so a
+read-only CA directory is copied at start into a private writable directory
+(under $TMPDIR, mode 0700, removed at exit) and the proxy uses the copy. A
+kubernetes.io/tls Secret (tls.crt and tls.key, e.g. from cert-manager) is
+accepted too.
 """
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 from mitmproxy.certs import CertStore
 
 BASENAME = "mitmproxy"  # the file names mitmproxy's TLS addon looks for in confdir
 DEFAULT_CA_DIR = "~/.sluice/ca"
+KEY_FILE = f"{BASENAME}-ca.pem"  # private key followed by the certificate
+CERT_FILE = f"{BASENAME}-ca-cert.pem"
+DHPARAM_FILE = f"{BASENAME}-dhparam.pem"
+# What a read-only CA directory may hold, and what is copied from it.
+COPIED = (KEY_FILE, CERT_FILE, DHPARAM_FILE)
 
 
-def ca_dir(explicit: str | None) -> Path:
+def given_ca_dir(explicit: str | None) -> Path:
+    """The directory named by --ca-dir, $SLUICE_CA_DIR or the default."""
     return Path(os.path.expanduser(explicit or os.environ.get("SLUICE_CA_DIR") or DEFAULT_CA_DIR))
 
 
+def ca_dir(explicit: str | None) -> Path:
+    """The CA directory the proxy gives mitmproxy: the given one, or a
+    private writable copy of it when it is read-only (a mounted Secret).
+
+    Raises ValueError with a one-line reason when a read-only directory
+    holds no CA or cannot be copied."""
+    given = given_ca_dir(explicit)
+    if not given.is_dir() or os.access(given, os.W_OK):
+        return given
+    return working_copy(given)
+
+
+def working_copy(source: Path) -> Path:
+    """Copy the CA in the read-only directory `source` into a new private
+    directory (removed at exit) and return it."""
+    key_file, cert_file = source / KEY_FILE, source / CERT_FILE
+    tls_key, tls_cert = source / "tls.key", source / "tls.crt"
+    if not key_file.is_file() and not (tls_key.is_file() and tls_cert.is_file()):
+        raise ValueError(
+            f"the CA directory {source} is read-only and holds no CA ({KEY_FILE}, or tls.crt and tls.key); "
+            f"create one with `sluice ca --ca-dir DIR` and mount that directory")
+    try:
+        copy = Path(tempfile.mkdtemp(prefix="sluice-ca-"))  # mode 0700
+    except OSError as e:
+        raise ValueError(f"the CA directory {source} is read-only and no private copy can be made under "
+                         f"{tempfile.gettempdir()} ({e.strerror or e}); give the proxy a writable TMPDIR") from None
+    atexit.register(shutil.rmtree, copy, True)
+    old_umask = os.umask(0o077)
+    try:
+        if key_file.is_file():
+            for name in COPIED:
+                if (source / name).is_file():
+                    (copy / name).write_bytes((source / name).read_bytes())
+        else:  # a kubernetes.io/tls Secret: mitmproxy wants key and certificate in one file
+            key, cert = tls_key.read_bytes(), tls_cert.read_bytes()
+            (copy / KEY_FILE).write_bytes(key.rstrip(b"\n") + b"\n" + cert)
+            (copy / CERT_FILE).write_bytes(cert)
+        if not (copy / CERT_FILE).exists():  # only the combined file given: the certificate is its PEM block
+            raw = (copy / KEY_FILE).read_bytes()
+            start = raw.find(b"-----BEGIN CERTIFICATE-----")
+            if start < 0:
+                raise ValueError(f"{key_file} holds no certificate (it must be the private key followed by the certificate)")
+            (copy / CERT_FILE).write_bytes(raw[start:])
+    except OSError as e:
+        raise ValueError(f"cannot copy the CA from {source}: {e.strerror or e}") from None
+    finally:
+        os.umask(old_umask)
+    return copy
+
+
 def ensure_ca(directory: Path) -> Path:
-    """Create the CA if missing; the directory and key files are owner-only."""
-    cert = directory / f"{BASENAME}-ca-cert.pem"
+    """Create the CA if missing; the directory and key files are owner-only.
+    A read-only directory that already holds the CA is left as it is."""
+    cert = directory / CERT_FILE
+    if cert.exists() and directory.is_dir() and not os.access(directory, os.W_OK):
+        return cert
     if not cert.exists():
         CertStore.create_store(directory, BASENAME, 2048, organization="Sluice", cn="Sluice egress proxy CA")
     os.chmod(directory, 0o700)
-    for key_file in (f"{BASENAME}-ca.pem", f"{BASENAME}-ca.p12"):
+    for key_file in (KEY_FILE, f"{BASENAME}-ca.p12"):
         if (directory / key_file).exists():
             os.chmod(directory / key_file, 0o600)
     return cert
@@ -36,18 +107,20 @@ MOUNT_ADVICE = """\
 # Agent containers trust it by mounting the certificate (never the key), e.g.
 #   Debian/Ubuntu: /usr/local/share/ca-certificates/sluice.crt, then update-ca-certificates
 #   or per tool:   SSL_CERT_FILE / REQUESTS_CA_BUNDLE / CURL_CA_BUNDLE / NODE_EXTRA_CA_CERTS=/etc/sluice/ca.pem
-# Kubernetes: put it in a ConfigMap and mount it read-only at one of those paths."""
+# Kubernetes: put it in a ConfigMap and mount it read-only at one of those paths.
+# One CA for every replica: kubectl create secret generic sluice-ca --from-file=DIR/mitmproxy-ca.pem
+#   --from-file=DIR/mitmproxy-ca-cert.pem, mounted read-only and given as --ca-dir (see docs/deploy.md)."""
 
 
 def show(explicit: str | None) -> int:
-    directory = ca_dir(explicit)
+    directory = given_ca_dir(explicit)
     try:
         cert = ensure_ca(directory)
     except OSError as e:
         print(f"sluice: cannot create the CA in {directory}: {e.strerror or e}", file=sys.stderr)
         return 2
     print(f"# Sluice interception CA certificate: {cert}")
-    print(f"# Private key (keep it on the proxy only): {directory / (BASENAME + '-ca.pem')}")
+    print(f"# Private key (keep it on the proxy only): {directory / KEY_FILE}")
     print(MOUNT_ADVICE)
     print(cert.read_text(), end="")
     return 0

@@ -12,8 +12,10 @@ HEALTHCHECK command is run inside that namespace too.
 from __future__ import annotations
 
 import json
+import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 import time
@@ -23,7 +25,7 @@ import pytest
 
 from harness.agentns import AgentNamespace, missing_tools
 from harness.clients import curl
-from harness.sluice import SluiceProcess, sluice_executable
+from harness.sluice import SluiceProcess, default_policy, sluice_executable
 
 pytestmark = pytest.mark.netns
 
@@ -160,3 +162,48 @@ def test_the_healthcheck_command_passes_inside_the_container(image, container):
     assert argv[0] == "python"
     out = container.run([sys.executable, *argv[1:]], timeout=20)
     assert out.returncode == 0, out.stderr
+
+
+# ------------------------------------------------ one CA for every replica
+
+class ReadOnlyCAReplica(SluiceProcess):
+    """`sluice proxy --ca-dir SECRET` where SECRET is bind-mounted read-only
+    in the process's own mount namespace, as the kubelet mounts a Secret."""
+
+    def __init__(self, *args, secret: Path, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.secret = secret
+
+    def command(self) -> list[str]:
+        user = [] if os.geteuid() == 0 else ["-r"]
+        script = 'mount --bind "$1" "$1" && mount -o remount,bind,ro "$1" && shift && exec "$@"'
+        return ["unshare", "-m", *user, "sh", "-c", script, "sh", str(self.secret),
+                *super().command(), "--ca-dir", str(self.secret)]
+
+
+def test_replicas_given_one_read_only_ca_present_certificates_from_it(netns, fake_dns, net, tls_ca, tmp_path):
+    if shutil.which("unshare") is None or shutil.which("mount") is None:
+        pytest.skip("needs unshare and mount (util-linux) for a read-only bind mount")
+    secret = tmp_path / "secret"
+    made = subprocess.run([sluice_executable(), "ca", "--ca-dir", str(secret)], capture_output=True, text=True,
+                          timeout=60)
+    assert made.returncode == 0, made.stderr
+    for path in secret.iterdir():
+        path.chmod(0o444)
+    before = {p.name: p.read_bytes() for p in secret.iterdir()}
+    policy = default_policy(intercept=["example.com"])
+    replicas = [ReadOnlyCAReplica(tmp_path / f"r{i}", policy, name=f"replica{i}", secret=secret,
+                                  extra_args=("--set", f"ssl_verify_upstream_trusted_ca={tls_ca.cafile}"))
+                for i in range(2)]
+    try:
+        for replica in replicas:
+            replica.start()
+        for replica in replicas:
+            # The agent trusts the Secret's certificate only; each replica's leaf chains to it.
+            got = curl("-x", replica.proxy_url, "--cacert", str(secret / "mitmproxy-ca-cert.pem"),
+                       "https://example.com/shared-ca")
+            assert got.status == 200, got
+        assert {p.name: p.read_bytes() for p in secret.iterdir()} == before, "nothing is written into the Secret"
+    finally:
+        for replica in replicas:
+            replica.stop()
