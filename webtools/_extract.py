@@ -37,8 +37,11 @@ def _parse(text: str):
     text = _BAD_CHARS.sub(" ", _XML_DECL.sub("", text, count=1))
     if not text.strip():
         return None
+    # huge_tree lifts libxml2's nesting limit (256), past which it drops the rest
+    # of the document; every pass here is iterative, and trafilatura's recursion
+    # failing on a very deep tree falls back to them.
     parser = lxml_html.HTMLParser(encoding="utf-8", remove_comments=True, remove_pis=True,
-                                  no_network=True, recover=True, default_doctype=False)
+                                  no_network=True, recover=True, default_doctype=False, huge_tree=True)
     try:
         root = lxml_html.document_fromstring(text.encode("utf-8", "replace"), parser=parser)
     except (etree.ParserError, etree.XMLSyntaxError, ValueError):
@@ -332,14 +335,19 @@ def _fence_code(nodes: list) -> dict[str, str]:
     return blocks
 
 
-def _markdown(nodes: list, base_url: str | None) -> str:
-    blocks = _fence_code(nodes)
+def _unfence(md: str, blocks: dict[str, str]) -> str:
+    for key, block in blocks.items():
+        md = md.replace(key, f"\n\n{block}\n\n", 1)
+    return md
+
+
+def _markdown(nodes: list, base_url: str | None, blocks: dict[str, str] | None = None) -> str:
+    blocks = {**(blocks or {}), **_fence_code(nodes)}
     parts = []
     for node in nodes:
         parts.append(lxml_html.tostring(node, encoding="unicode", method="html", with_tail=False))
     md = _h2t(base_url).handle("".join(parts))
-    for key, block in blocks.items():
-        md = md.replace(key, block, 1)
+    md = _unfence(md, blocks)
     md = "\n".join(line.rstrip() for line in md.split("\n"))
     return _BLANKS.sub("\n\n", md).strip() + "\n" if md.strip() else ""
 
@@ -406,6 +414,11 @@ def _trafilatura(root, base_url: str | None) -> str:
     return md + "\n" if md else ""
 
 
+# Above this many characters of text (after scripts and hidden parts are
+# dropped) the page is converted without main-content extraction.
+_EXTRACT_MAX_CHARS = 1_000_000
+
+
 def convert(text: str, base_url: str | None):
     from sluice.webtools.convert import Converted
 
@@ -424,7 +437,25 @@ def convert(text: str, base_url: str | None):
     if full_len == 0:
         return Converted(title=title, markdown="", needs_javascript=needs_js)
     _clean(body, chrome=True, negative=_CONSENT)
+    if base_url:
+        # trafilatura resolves relative links against the site's root, not the
+        # page: resolve them here, against the page (or its <base href>).
+        try:
+            body.make_links_absolute(base_url, resolve_base_href=False, handle_failures="discard")
+        except ValueError:
+            pass
+    # Code blocks go round the extractor as placeholders: trafilatura drops
+    # their blank lines and their language.
+    blocks = _fence_code([body])
+    if full_len > _EXTRACT_MAX_CHARS:
+        # So much text that it is mostly content (a long thread, a full book
+        # chapter): extraction would cost several times html2text for little
+        # gain, so the pre-reduced page is converted as it is.
+        return Converted(title=title, markdown=_markdown([body], base_url, blocks), needs_javascript=needs_js)
     md = _trafilatura(root, base_url)
+    if md and blocks:
+        md = _unfence(md, blocks)
+        md = _BLANKS.sub("\n\n", md).strip() + "\n"
     if len(md) < 250:
         # trafilatura found nothing, or next to nothing (a short note, a page of
         # links, a table-only page): Sluice's own reducer on a fresh parse, if it
