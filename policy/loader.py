@@ -16,10 +16,11 @@ import re
 import stat
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import yaml
 
+from sluice.policy import credentials as creds
 from sluice.policy.clients import secret_verifier
 from sluice.policy.hosts import INTERNAL_SUFFIXES, internal_name
 from sluice.policy.matchers import AddressSet, HostMatcher, PatternError, parse_cidr, parse_host_pattern
@@ -57,12 +58,14 @@ class PolicyInvalid(Exception):
 
 # Keys a profile may override, and the top level may set.
 RULE_KEYS = ("action", "allow", "deny", "ports", "methods", "private_networks", "limits", "intercept", "strip_request_headers",
-             "refusal_note")
+             "refusal_note", "credentials")
 TOP_KEYS = ("version",) + RULE_KEYS + ("dns", "clients", "require_client")
 PROFILE_KEYS = ("name", "users", "sources") + RULE_KEYS
 DNS_KEYS = tuple(f.name for f in fields(DnsSettings))
 LIMIT_KEYS = tuple(f.name for f in fields(Limits))
 USER_KEYS = ("password_hash", "password_file")
+CREDENTIAL_KEYS = ("hosts", "set_headers", "allow_plain_http")
+CREDENTIAL_VALUE_KEYS = ("file", "env", "format")
 SIZE_LIMITS = {"max_response_bytes", "max_request_bytes", "tunnel_max_bytes", "max_header_bytes"}
 COUNT_LIMITS = {"max_header_count"}
 # Limits that apply while a request head is read, before the client (and so
@@ -222,10 +225,13 @@ def _check_verifier(text: str) -> str | None:
 class _Reader:
     """Walks the composed YAML node tree, collecting problems with positions."""
 
-    def __init__(self, file: str, read_secret: Callable[[str], str] | None) -> None:
+    def __init__(self, file: str, read_secret: Callable[[str], str] | None,
+                 environ: Mapping[str, str] | None = None) -> None:
         self.file = file
         self.problems: list[Problem] = []
         self.read_secret = read_secret
+        self.environ = environ  # None: environment values are not read (text-only loading)
+        self._credential_nodes: dict[int, yaml.Node] = {}  # id(Credential) -> its hosts node
         self._constructor = yaml.SafeLoader("")
         # Top-level entries that match nothing at the top level, with the test
         # that a profile inheriting them (key: "allow" or "deny") makes them match.
@@ -376,6 +382,164 @@ class _Reader:
             return text
         return base
 
+    # ---- credentials (policy.credentials) -----------------------------
+
+    def credentials(self, node: yaml.Node, top_level: bool) -> tuple[creds.Credential, ...]:
+        """A `credentials` list. Values come from a file or an environment
+        variable, never from the policy; no message ever quotes a value."""
+        out: list[creds.Credential] = []
+        seen_hosts: dict[tuple[str, ...], int] = {}
+        for item in self.sequence(node, "credentials"):
+            keys = self.mapping(item, CREDENTIAL_KEYS, "a credentials entry")
+            if not isinstance(item, yaml.MappingNode):
+                continue
+            if "hosts" not in keys or "set_headers" not in keys:
+                missing = " and ".join(k for k in ("hosts", "set_headers") if k not in keys)
+                self.problem(item, f"a credentials entry needs {missing}")
+                continue
+            hosts_node = keys["hosts"][1]
+            hosts = self.patterns(hosts_node, "credentials hosts")
+            texts = tuple(str(self.scalar(n)) for n in self.sequence(hosts_node, "credentials hosts"))
+            if not texts and isinstance(hosts_node, (yaml.SequenceNode, yaml.ScalarNode)):
+                self.problem(hosts_node, "credentials hosts is empty: name the hosts these headers are for")
+            if hosts.everything:
+                self.problem(hosts_node, "credentials hosts may not be '*': a secret would go to every host; name its hosts")
+            for address in hosts.addresses.entries:
+                if address.prefixlen != (32 if address.version == 4 else 128):
+                    self.problem(hosts_node, f"credentials hosts: {_q(address.rule.text)} is a network; name single "
+                                             "hosts (or IP addresses) a secret may go to")
+            if texts in seen_hosts:
+                self.problem(hosts_node, f"credentials: this hosts list is already an entry (line {seen_hosts[texts]}); "
+                                         "give each hosts list one entry")
+            seen_hosts.setdefault(texts, item.start_mark.line + 1)
+            headers = self.credential_headers(keys["set_headers"][1], top_level)
+            plain = False
+            if "allow_plain_http" in keys:
+                value = self.scalar(keys["allow_plain_http"][1])
+                if not isinstance(value, bool):
+                    self.problem(keys["allow_plain_http"][1], f"allow_plain_http must be true or false, not {_q(value)}")
+                else:
+                    plain = value
+            entry = creds.Credential(hosts=hosts, hosts_text=texts, headers=headers, allow_plain_http=plain,
+                                     origin=self.origin(item))
+            self._credential_nodes[id(entry)] = hosts_node
+            out.append(entry)
+        return tuple(out)
+
+    def credential_headers(self, node: yaml.Node, top_level: bool) -> tuple[creds.CredentialHeader, ...]:
+        if not isinstance(node, yaml.MappingNode):
+            self.problem(node, "set_headers must map header names to {file: PATH} or {env: NAME}")
+            return ()
+        if not node.value and top_level:
+            self.problem(node, "set_headers is empty (an empty one only makes sense in a client profile, to drop "
+                               "the top level's entry with the same hosts)")
+        out: list[creds.CredentialHeader] = []
+        names: set[str] = set()
+        for key_node, value_node in node.value:
+            name = self.scalar(key_node)
+            if not isinstance(name, str) or not _HEADER.match(name):
+                self.problem(key_node, f"set_headers: {_q(name)} is not a header name")
+                continue
+            if name.lower() in names:
+                self.problem(key_node, f"set_headers: {_q(name)} is listed twice")
+                continue
+            names.add(name.lower())
+            if name.lower() in creds.FORBIDDEN_HEADERS:
+                self.problem(key_node, f"set_headers: {_q(name)} frames or routes the request; a credential cannot set it")
+                continue
+            if not isinstance(value_node, yaml.MappingNode):
+                # Never quote it: it may be the secret itself.
+                self.problem(value_node, f"set_headers: the value of {_q(name)} is written inline; secrets never go in "
+                                         "the policy: write {file: PATH} or {env: NAME} (with format: \"Bearer {}\" "
+                                         "if the header needs more than the secret)")
+                continue
+            header = self.credential_value(name, value_node)
+            if header is not None:
+                out.append(header)
+        return tuple(out)
+
+    def credential_value(self, name: str, node: yaml.Node) -> creds.CredentialHeader | None:
+        spec = self.mapping(node, CREDENTIAL_VALUE_KEYS, f"the value of header {_q(name)}")
+        sources = [k for k in ("file", "env") if k in spec]
+        if len(sources) != 1:
+            self.problem(node, f"set_headers: {_q(name)} needs exactly one of file: PATH or env: NAME")
+            return None
+        kind = sources[0]
+        where = spec[kind][1]
+        text = self.scalar(where)
+        if not isinstance(text, str) or not text:
+            self.problem(where, f"set_headers: {_q(name)}: {kind} must be a non-empty string")
+            return None
+        fmt = None
+        if "format" in spec:
+            fmt = self.scalar(spec["format"][1])
+            if not isinstance(fmt, str) or fmt.count(creds.FORMAT_SLOT) != 1:
+                self.problem(spec["format"][1], f"set_headers: {_q(name)}: format must be text with exactly one {{}} "
+                                                "where the secret goes, e.g. \"Bearer {}\"")
+                return None
+            if creds.value_problem(fmt.replace(creds.FORMAT_SLOT, "x")):
+                self.problem(spec["format"][1], f"set_headers: {_q(name)}: format must be one line of text")
+                return None
+        path = None
+        if kind == "file":
+            path = text if os.path.isabs(text) else os.path.join(os.path.dirname(os.path.abspath(self.file)), text)
+            source = f"file {text}"
+            raw = self._credential_file(name, text, where)
+            if raw is _NOT_READ:
+                return None
+        else:
+            source = f"env {text}"
+            if self.environ is None:
+                raw = None
+            elif text not in self.environ:
+                self.problem(where, f"set_headers: {_q(name)}: the environment variable {_q(text)} is not set")
+                return None
+            else:
+                raw = self.environ[text]
+        if raw is None:
+            return creds.CredentialHeader(name, source, creds.Secret(None), path, fmt)
+        wrong = creds.value_problem(raw)
+        if wrong:
+            self.problem(where, f"set_headers: {_q(name)}: the {'file' if kind == 'file' else 'variable'} "
+                                f"{_q(text)} {wrong}")
+            return None
+        return creds.CredentialHeader(name, source, creds.Secret(creds.format_value(raw, fmt)), path, fmt)
+
+    def _credential_file(self, name: str, text: str, where: yaml.Node) -> object:
+        """The file's text (None when files are not read), or _NOT_READ after a problem."""
+        if self.read_secret is None:
+            return None
+        try:
+            return self.read_secret(text)
+        except OSError as e:
+            self.problem(where, f"set_headers: {_q(name)}: cannot read {_q(text)} ({e.strerror or e})")
+        except FileRefused as e:
+            self.problem(where, f"set_headers: {_q(name)}: cannot read {_q(text)}: {e}")
+        except UnicodeDecodeError:
+            self.problem(where, f"set_headers: {_q(name)}: {_q(text)} is not UTF-8 text")
+        return _NOT_READ
+
+    def credentials_intercepted(self, top: Rules, clients: tuple[ClientProfile, ...], require_client: bool) -> None:
+        """Every credentials host must be intercepted for HTTPS by the rules
+        it applies under, or its HTTPS requests would go through a raw tunnel
+        the proxy never sees (and the header would never be set)."""
+        scopes = ([] if require_client and clients else [(None, top)]) + [(p.name, p.rules) for p in clients]
+        reported: set[tuple[int, str]] = set()
+        for profile, rules in scopes:
+            for entry in rules.credentials:
+                node = self._credential_nodes.get(id(entry))
+                if node is None or not entry.headers:
+                    continue
+                for text in entry.hosts_text:
+                    if creds.pattern_intercepted(rules.intercept, text) or (id(entry), text) in reported:
+                        continue
+                    reported.add((id(entry), text))
+                    item = next((n for n in self.sequence(node, "credentials hosts") if self.scalar(n) == text), node)
+                    where = f"client profile {_q(profile)}'s" if profile is not None else "the top level's"
+                    self.problem(item, f"credentials host {_q(text)} ({entry.origin}) is not intercepted by {where} "
+                                       f"`intercept`, so its HTTPS requests pass through a tunnel the proxy never "
+                                       f"sees: add {_q(text)} to {where} `intercept`")
+
     def limits(self, node: yaml.Node, base: Limits) -> Limits:
         changes: dict[str, Any] = {}
         for key, (key_node, value_node) in self.mapping(node, LIMIT_KEYS, "limits").items():
@@ -444,6 +608,8 @@ class _Reader:
                 changes[key] = self.headers(value_node)
             elif key == "refusal_note":
                 changes[key] = self.note(value_node, base.refusal_note)
+            elif key == "credentials":
+                changes[key] = creds.merge(self.credentials(value_node, top_level), base.credentials)
         rules = replace(base, **changes)
         self._shadowed(rules, keys)
         self._never_match(rules, keys, top_level)
@@ -652,6 +818,7 @@ class _Reader:
 
 
 _NOT_SCALAR = object()
+_NOT_READ = object()  # a credential file that could not be read (a problem was reported)
 
 
 def _covers(deny: HostMatcher, kind: str, key: str) -> bool:
@@ -814,19 +981,24 @@ def compose_checked(text: str, file: str, what: str = "policy", *, null_is_empty
     return root
 
 
-def load_policy_text(text: str, file: str = "<policy>", read_secret: Callable[[str], str] | None = None) -> Policy:
+def load_policy_text(text: str, file: str = "<policy>", read_secret: Callable[[str], str] | None = None,
+                     environ: Mapping[str, str] | None = None) -> Policy:
     """Parse and validate; raise PolicyInvalid with every problem found, and
-    never anything else: whatever the text, the caller gets a policy or problems."""
+    never anything else: whatever the text, the caller gets a policy or problems.
+    `read_secret` reads password and credential files, `environ` gives
+    credentials' environment variables; without them those values are not
+    read (credential values are then `Secret`s that were never read)."""
     try:
-        return _load_policy_text(text, file, read_secret)
+        return _load_policy_text(text, file, read_secret, environ)
     except PolicyInvalid:
         raise
     except Exception as e:  # a gap in validation must not crash a reload or a check
         raise PolicyInvalid([Problem(file, 1, 1, f"the policy could not be read ({type(e).__name__}: {_clean(str(e))})")]) from None
 
 
-def _load_policy_text(text: str, file: str, read_secret: Callable[[str], str] | None) -> Policy:
-    reader = _Reader(file, read_secret)
+def _load_policy_text(text: str, file: str, read_secret: Callable[[str], str] | None,
+                      environ: Mapping[str, str] | None = None) -> Policy:
+    reader = _Reader(file, read_secret, environ)
     if len(text.encode("utf-8", "surrogatepass")) > MAX_POLICY_BYTES:
         raise PolicyInvalid([Problem(file, 1, 1, f"the policy is larger than {MAX_POLICY_BYTES // 2**20} MiB; refusing to parse it")])
     root = compose_checked(text, file)
@@ -856,6 +1028,7 @@ def _load_policy_text(text: str, file: str, read_secret: Callable[[str], str] | 
             require_client = value
             if value and not clients:
                 reader.problem(keys["require_client"][0], "require_client is true but no `clients` are defined: every client would be refused")
+    reader.credentials_intercepted(top, clients, require_client)
     if reader.problems:
         raise PolicyInvalid(sorted(reader.problems, key=lambda p: (p.line, p.col)))
     return Policy(version=1, rules=top, dns=dns, clients=clients, require_client=require_client, source=file)
@@ -938,4 +1111,4 @@ def read_policy_file(path: str | Path) -> tuple[Policy, bytes]:
             p = path.parent / p
         return read_regular_file(p, MAX_SECRET_BYTES).decode("utf-8").strip("\r\n")
 
-    return load_policy_text(text, name, read_secret), raw
+    return load_policy_text(text, name, read_secret, os.environ), raw

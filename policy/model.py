@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from sluice.policy.credentials import Credential
 from sluice.policy.matchers import AddressSet, HostMatcher
 
 DEFAULT_PORTS: frozenset[int] = frozenset({80, 443})
@@ -59,6 +60,9 @@ class Rules:
     # The operator's own sentence, appended to the refusals these rules'
     # clients get (who to ask for access, say).
     refusal_note: str | None = None
+    # Proxy-held credentials (policy.credentials): a profile's own entries,
+    # then the top level's it did not replace. Values are redacted Secrets.
+    credentials: tuple[Credential, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

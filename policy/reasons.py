@@ -42,6 +42,7 @@ class Reason(StrEnum):
     AUTH_THROTTLED = "auth_throttled"
     TUNNEL_REVOKED = "tunnel_revoked"
     PROXY_LOOP = "proxy_loop"
+    CREDENTIAL_PLAIN_HTTP = "credential_plain_http"
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,6 +83,7 @@ REASONS: dict[Reason, ReasonInfo] = {
     Reason.AUTH_THROTTLED: ReasonInfo(407, "too many wrong proxy passwords from this address or for this user, or too many password checks waiting; retry after the `Retry-After` seconds"),
     Reason.TUNNEL_REVOKED: ReasonInfo(403, "an open tunnel was closed because a reloaded policy refuses its destination"),
     Reason.PROXY_LOOP: ReasonInfo(403, "the destination is one of the proxy's own listening addresses"),
+    Reason.CREDENTIAL_PLAIN_HTTP: ReasonInfo(403, "the proxy holds a credential for this host and sends it over HTTPS only (no `allow_plain_http`), and the request is plain http"),
 }
 
 # Sent with every refusal so an agent knows this is deliberate and final
