@@ -253,7 +253,12 @@ def ssl_context(env: dict | None = None) -> ssl.SSLContext:
 # ---------------------------------------------------------------- decoding
 
 class _Over(Exception):
-    """Decoding would produce more than the room left."""
+    """Decoding would produce more than the room left; `partial` is the
+    output that fits (from the last stage of a chain)."""
+
+    def __init__(self, partial: bytes = b"") -> None:
+        super().__init__()
+        self.partial = partial
 
 
 class _Decoder:
@@ -264,10 +269,13 @@ class _Decoder:
         self.stages = [_stage(c) for c in reversed(codings)]
 
     def feed(self, data: bytes, room: int) -> bytes:
-        for stage in self.stages:
-            data = stage(data, room)
+        for n, stage in enumerate(self.stages):
+            try:
+                data = stage(data, room)
+            except _Over as e:
+                raise _Over(e.partial if n == len(self.stages) - 1 else b"") from None
         if len(data) > room:
-            raise _Over
+            raise _Over(data[:room])
         return data
 
     def flush(self, room: int) -> bytes:
@@ -305,7 +313,7 @@ class _ZlibStage:
         while self.d.unconsumed_tail and len(out) <= room:
             out += self.d.decompress(self.d.unconsumed_tail, room + 1 - len(out))
         if len(out) > room or self.d.unconsumed_tail:
-            raise _Over
+            raise _Over(out[:room])
         return out
 
 
@@ -321,7 +329,7 @@ class _BrotliStage:
                 break
             out += more
         if len(out) > room:
-            raise _Over
+            raise _Over(out[:room])
         return out
 
 
@@ -336,7 +344,7 @@ class _ZstdStage:
         while len(out) <= room and not self.d.eof and not self.d.needs_input:
             out += self.d.decompress(b"", room + 1 - len(out))
         if len(out) > room:
-            raise _Over
+            raise _Over(out[:room])
         return out
 
 
@@ -444,11 +452,11 @@ class WebClient:
     def _answer(self, url, current, response: httpx.Response, classify, deadline) -> Fetched | str:
         status = response.status_code
         reason = response.headers.get("sluice-reason")
+        if status == 407:
+            raise _proxy_auth(current)
         if reason and status >= 400:
             message = _short_body(response, deadline) or _reason_sentence(reason, current)
             raise WebError("web_blocked", message, reason=reason, by="proxy", url=current, status=status)
-        if status == 407:
-            raise _proxy_auth(current)
         if status in (502, 504) and response.headers.get("proxy-status", "").lower().startswith("sluice"):
             message = _short_body(response, deadline) or f"the proxy could not complete the request for {current}"
             raise WebError("web_unreachable", message, status=status, url=current)
@@ -471,31 +479,40 @@ class WebClient:
         wire = 0
         try:
             for chunk in response.iter_raw(65536):
-                wire += len(chunk)
                 if time.monotonic() > deadline:
                     raise _timeout(url, self.limits.timeout)
-                room = plan.cap - len(body)
                 try:
                     if codings:
-                        body += decoder.feed(chunk, room)
+                        # In 4 KiB steps, so `wire` is what was inflated (the bomb ratio is honest).
+                        for i in range(0, len(chunk), 4096):
+                            piece = chunk[i:i + 4096]
+                            wire += len(piece)
+                            body += decoder.feed(piece, plan.cap - len(body))
                         if wire > plan.cap + 65536:  # compressed data larger than its cap: not worth more
                             raise _Over
-                    elif len(chunk) > room:
+                        continue
+                    wire += len(chunk)
+                    room = plan.cap - len(body)
+                    if len(chunk) > room:
                         body += chunk[:room]
                         raise _Over
                     else:
                         body += chunk
-                except _Over:
-                    if plan.truncate and not (codings and len(body) > BOMB_RATIO * max(wire, 1)):
+                except _Over as over:
+                    # Past the cap. A compressed body that got there inflating more than
+                    # BOMB_RATIO-fold is a bomb, never a page to truncate.
+                    if plan.truncate and not (codings and plan.cap > BOMB_RATIO * max(wire, 1)):
+                        body += over.partial
                         fetched.truncated = True
                         break
                     raise _too_large(current, plan.cap, decoded=bool(codings)) from None
             else:
                 try:
                     body += decoder.flush(plan.cap - len(body))
-                except _Over:
+                except _Over as over:
                     if not plan.truncate:
                         raise _too_large(current, plan.cap, decoded=True) from None
+                    body += over.partial
                     fetched.truncated = True
         except _DECODE_ERRORS as e:
             raise WebError("web_unreachable", f"the {fetched.encoding} body of {current} is corrupt ({e})") from None

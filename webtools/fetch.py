@@ -34,7 +34,10 @@ TEXT_APPLICATION_TYPES = frozenset({
 
 
 def is_text_type(mime: str) -> bool:
-    """Text a model can read as it is (HTML excepted: it is converted)."""
+    """Text a model can read as it is (HTML excepted: it is converted).
+    No image type is text, not even SVG (image/svg+xml)."""
+    if mime.startswith("image/"):
+        return False
     return (mime.startswith("text/") or mime in TEXT_APPLICATION_TYPES
             or mime.endswith("+json") or mime.endswith("+xml"))
 
