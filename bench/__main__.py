@@ -6,6 +6,8 @@
                                only the named phases (comma-separated: micro, idle,
                                http, connect, tunnel); `connect` is CONNECT setups/s
     python -m bench micro      the decision microbenchmark only; no namespace needed
+    python -m bench extraction main-content F1 per extractor and MB/s of plain html2text vs
+                               Sluice's converter on a 2 MiB page; no namespace needed
     python -m bench deps       install nginx-light, wrk and tinyproxy if missing
                                (as root, outside the namespace: `make bench` does it)
     python -m bench profile    Sluice and mitmdump under a CPU-time sampler and under
@@ -37,6 +39,11 @@ def _phases(text: str) -> tuple[str, ...]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["extraction"]:  # its own options: python -m bench extraction --help
+        from bench import extraction
+
+        return extraction.main(argv[1:])
     p = argparse.ArgumentParser(prog="python -m bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("command", nargs="?", default="run", choices=["run", "micro", "deps", "profile"])

@@ -242,7 +242,8 @@ def speed(rounds: int = 7, log=print) -> dict:
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
-    p = argparse.ArgumentParser(prog="python -m bench extraction")
+    p = argparse.ArgumentParser(prog="python -m bench extraction", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dev", type=Path, default=None,
                    help="also score the tuning half (ids 0-7) of an upstream checkout at DIR")
     p.add_argument("--only", default=None, help="comma-separated extractor names (substring match)")

@@ -1,18 +1,21 @@
-"""Main-content extraction on lxml, then html2text (used by webtools.convert).
+"""Main-content extraction for webtools.convert: lxml pre-reduction, trafilatura, own fallback.
 
-The steps, each one linear pass over the tree:
+Chosen by measurement (bench/extraction.py, README "Web tools: extraction
+quality and speed"). The steps:
 
 1. parse with libxml2's HTML parser (comments and processing instructions
-   dropped, no network);
-2. drop what is never content: scripts, styles, templates, forms' controls,
-   embedded frames and SVG, hidden elements, and page chrome (nav, aside,
-   footer, page-level header, and elements whose class/id/role say menu,
-   cookie banner, share bar, sidebar, related links, ...);
-3. score blocks readability-style: each paragraph-like element with text adds
-   to its parent and grandparents; the best-scoring container, discounted by
-   its link density, is the main content, joined by siblings that score well;
-4. within it, drop link lists and other link-dense leftovers;
-5. html2text on that subtree only, with code blocks fenced.
+   dropped, no network, nesting limit lifted; every pass below is iterative);
+2. drop what is never content (scripts, styles, templates, form controls,
+   frames, SVG, hidden elements), then page chrome by structure only (nav,
+   aside, footer, page-level header, navigation/banner/... roles) and consent
+   banners; resolve links against the page; carry <pre> blocks out as
+   placeholders (fenced by us, blank lines and language kept);
+3. trafilatura extracts the main content of that reduced tree as markdown;
+4. when it finds next to nothing, Sluice's own reducer runs on a fresh parse:
+   full chrome removal by class/id, readability-style block scoring with a
+   link-density discount, sibling gathering, link-list pruning, html2text;
+5. a page with more than _EXTRACT_MAX_CHARS of text skips extraction (it is
+   mostly content, and extraction would cost several times html2text).
 """
 
 from __future__ import annotations

@@ -3,14 +3,17 @@
 `html_to_markdown` is what `fetch` shows a model: the page reduced to its main
 content (menus, banners, cookie notices, sidebars and footers out; headings,
 lists, tables, code blocks and links kept, links made absolute), converted to
-markdown by html2text. `visible_text` is what `read` hashes: every word a
-reader could see, markup removed and whitespace collapsed to single spaces.
+markdown (trafilatura on Sluice's lxml pre-reduction; Sluice's own reducer and
+html2text as the fallback: webtools/_extract.py). `visible_text` is what `read`
+hashes: every word a reader could see, markup removed and whitespace collapsed
+to single spaces.
 
 Both take untrusted bytes. They never raise on garbage (they return what they
-can), and their work is bounded: one lxml parse, a few linear passes over the
-tree, and html2text run only on the reduced content, which is why the pipeline
+can), and their work is bounded: one lxml parse and a few linear passes over
+the tree before the extractor sees a fraction of it, which is why the pipeline
 is faster than html2text alone on a boilerplate-heavy page (see README,
-"Web tools: extraction quality and speed").
+"Web tools: extraction quality and speed"). Callers cap the input's size
+(fetch reads at most 2 MiB).
 
 Decoding: the encoding the caller gives (from Content-Type) wins, else a byte
 order mark, else the document's own `<meta charset>` (first 4 KiB), else UTF-8;
