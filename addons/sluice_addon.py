@@ -13,6 +13,7 @@ from sluice.addons.guardrails import Guardrails
 from sluice.addons.head_limits import HeadLimits
 from sluice.addons import mitm_patches
 from sluice.addons.policy_source import PolicySource
+from sluice.addons.quotas import Quotas
 from sluice.addons.redirects import RedirectGuard
 from sluice.addons.upgrades import UpgradeGuard
 
@@ -22,7 +23,8 @@ def make_addons() -> list:
     audit = AuditLog()
     source = PolicySource(audit)
     caps = Caps(source, audit)
-    return [Guardrails(), source, ConnectionAudit(audit), EgressGate(source, audit, caps), RedirectGuard(source), UpgradeGuard(caps, source), caps, HeadLimits(source, audit), audit]
+    gate = EgressGate(source, audit, caps)
+    return [Guardrails(), source, ConnectionAudit(audit), gate, Quotas(source, audit, caps, gate), RedirectGuard(source), UpgradeGuard(caps, source), caps, HeadLimits(source, audit), audit]
 
 
 addons = make_addons()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import difflib
 import hashlib
+import math
 import os
 import re
 import stat
@@ -66,12 +67,15 @@ LIMIT_KEYS = tuple(f.name for f in fields(Limits))
 USER_KEYS = ("password_hash", "password_file")
 CREDENTIAL_KEYS = ("hosts", "set_headers", "allow_plain_http")
 CREDENTIAL_VALUE_KEYS = ("file", "env", "format")
-SIZE_LIMITS = {"max_response_bytes", "max_request_bytes", "tunnel_max_bytes", "max_header_bytes"}
-COUNT_LIMITS = {"max_header_count"}
+SIZE_LIMITS = {"max_response_bytes", "max_request_bytes", "tunnel_max_bytes", "max_header_bytes", "bytes_per_hour"}
+COUNT_LIMITS = {"max_header_count", "max_connections", "max_total_connections", "max_tunnels", "burst",
+                "max_requests_per_host_per_minute"}
+RATE_LIMITS = {"requests_per_second"}
 # Limits that apply while a request head is read, before the client (and so
 # its profile) is known: only the top level may set them.
-GLOBAL_LIMITS = ("max_header_bytes", "max_header_count", "header_timeout")
-OPTIONAL_LIMITS = {"tunnel_max_bytes", "tunnel_max_seconds"}
+GLOBAL_LIMITS = ("max_header_bytes", "max_header_count", "header_timeout", "max_total_connections")
+OPTIONAL_LIMITS = {"tunnel_max_bytes", "tunnel_max_seconds", "max_connections", "max_total_connections", "max_tunnels",
+                   "requests_per_second", "burst", "bytes_per_hour", "max_requests_per_host_per_minute"}
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h)?\s*$")
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(B|KB|KiB|MB|MiB|GB|GiB|TB|TiB)?\s*$", re.I)
@@ -185,6 +189,15 @@ def parse_count(value: object) -> int:
     if value <= 0:
         raise ValueError("a count must be greater than zero")
     return value
+
+
+def parse_rate(value: object) -> float:
+    """Requests a second: a number greater than zero (0.5 is one every 2 s)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{_q(value)} is not a rate (write a number of requests a second, such as 5 or 0.5)")
+    if value <= 0:
+        raise ValueError("a rate must be greater than zero")
+    return float(value)
 
 
 def _version_problem(version: object) -> str:
@@ -555,11 +568,16 @@ class _Reader:
                     changes[key] = parse_size(value)
                 elif key in COUNT_LIMITS:
                     changes[key] = parse_count(value)
+                elif key in RATE_LIMITS:
+                    changes[key] = parse_rate(value)
                 else:
                     changes[key] = parse_duration(value)
             except ValueError as e:
                 self.problem(value_node, f"limits.{key}: {e}")
-        return replace(base, **changes)
+        limits = replace(base, **changes)
+        if "burst" in changes and limits.burst is not None and limits.requests_per_second is None:
+            self.problem(node, "limits.burst has no effect without limits.requests_per_second (the rate its bucket refills at)")
+        return limits
 
     def dns(self, node: yaml.Node) -> DnsSettings:
         changes: dict[str, Any] = {}
@@ -765,8 +783,10 @@ class _Reader:
         for key_node, _ in node.value:
             key = self.scalar(key_node)
             if key in GLOBAL_LIMITS:
+                when = ("it counts every connection as it is accepted" if key == "max_total_connections" else
+                        "it applies while the request head is read")
                 self.problem(key_node, f"limits.{key} is global: set it in the top-level `limits`, not in client profile "
-                                       f"{_q(profile)} (it applies while the request head is read, before the client is known)")
+                                       f"{_q(profile)} ({when}, before the client is known)")
 
     def _users(self, node: yaml.Node) -> dict[str, tuple[yaml.Node, yaml.Node]]:
         if not isinstance(node, yaml.MappingNode):

@@ -5,6 +5,7 @@ Defaults live here and nowhere else.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from sluice.policy.credentials import Credential
@@ -42,6 +43,24 @@ class Limits:
     max_header_bytes: int = 64 * KIB
     max_header_count: int = 100
     header_timeout: float = 10.0
+    # Quotas (policy.quotas, addons/quotas.py); None = no limit. Counted per
+    # source address (max_connections), per process (max_total_connections,
+    # top level only), else per client: its proxy user once known, else its
+    # source address.
+    max_connections: int | None = None
+    max_total_connections: int | None = None
+    max_tunnels: int | None = None
+    requests_per_second: float | None = None
+    burst: int | None = None  # None: requests_per_second rounded up (at least 1)
+    bytes_per_hour: int | None = None  # both directions
+    max_requests_per_host_per_minute: int | None = None
+
+    @property
+    def rate_burst(self) -> int:
+        """The token bucket's size: `burst`, else one second's worth of requests."""
+        if self.burst is not None:
+            return self.burst
+        return max(1, math.ceil(self.requests_per_second or 1))
 
 
 @dataclass(frozen=True, slots=True)

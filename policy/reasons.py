@@ -42,6 +42,12 @@ class Reason(StrEnum):
     AUTH_THROTTLED = "auth_throttled"
     TUNNEL_REVOKED = "tunnel_revoked"
     PROXY_LOOP = "proxy_loop"
+    RATE_LIMITED = "rate_limited"
+    HOST_RATE_LIMITED = "host_rate_limited"
+    QUOTA_EXCEEDED = "quota_exceeded"
+    TOO_MANY_CONNECTIONS = "too_many_connections"
+    TOO_MANY_TUNNELS = "too_many_tunnels"
+    SHUTDOWN = "shutdown"
     CREDENTIAL_PLAIN_HTTP = "credential_plain_http"
 
 
@@ -83,6 +89,12 @@ REASONS: dict[Reason, ReasonInfo] = {
     Reason.AUTH_THROTTLED: ReasonInfo(407, "too many wrong proxy passwords from this address or for this user, or too many password checks waiting; retry after the `Retry-After` seconds"),
     Reason.TUNNEL_REVOKED: ReasonInfo(403, "an open tunnel was closed because a reloaded policy refuses its destination"),
     Reason.PROXY_LOOP: ReasonInfo(403, "the destination is one of the proxy's own listening addresses"),
+    Reason.RATE_LIMITED: ReasonInfo(429, "the client is over its `limits.requests_per_second` (and `burst`); retry after the `Retry-After` seconds"),
+    Reason.HOST_RATE_LIMITED: ReasonInfo(429, "the client is over its `limits.max_requests_per_host_per_minute` for this host; retry after the `Retry-After` seconds (other hosts are not affected)"),
+    Reason.QUOTA_EXCEEDED: ReasonInfo(429, "the client has used its `limits.bytes_per_hour`; new requests are refused until the hour's window resets (`Retry-After`), and an open tunnel is closed when the quota runs out"),
+    Reason.TOO_MANY_CONNECTIONS: ReasonInfo(429, "the source address has `limits.max_connections` connections open (the extra connection is refused and closed), or the proxy has `limits.max_total_connections` (closed at accept)"),
+    Reason.TOO_MANY_TUNNELS: ReasonInfo(429, "the client has `limits.max_tunnels` tunnels (CONNECT, SOCKS5, transparent) open"),
+    Reason.SHUTDOWN: ReasonInfo(503, "the proxy was shutting down and the exchange or tunnel was still open when `--drain-timeout` ran out; retrying (through another replica) is reasonable"),
     Reason.CREDENTIAL_PLAIN_HTTP: ReasonInfo(403, "the proxy holds a credential for this host and sends it over HTTPS only (no `allow_plain_http`), and the request is plain http"),
 }
 
@@ -100,6 +112,10 @@ DNS_TRANSIENT_ADVICE = (
 # dns_failed: the name does not exist, or has no address.
 DNS_NO_NAME_ADVICE = (
     "The name does not resolve, so retrying will not help: check the host name."
+)
+# shutdown: the proxy stopped, not the policy.
+SHUTDOWN_ADVICE = (
+    "The proxy is shutting down, not refusing by policy: retrying shortly is reasonable."
 )
 # The longest operator sentence (the policy's `refusal_note`) a refusal carries.
 MAX_NOTE_CHARS = 300

@@ -1,0 +1,301 @@
+"""Quotas: one runaway agent cannot starve the others (policy `limits`:
+max_connections, max_total_connections, max_tunnels, requests_per_second
+and burst, bytes_per_hour, max_requests_per_host_per_minute).
+
+Runs right after the gate (addons/sluice_addon.py), on what the gate decided
+and whom it identified: a request the gate allowed is counted against its
+client (the proxy user once known, else the source address: policy.quotas)
+and refused here when a limit says so. Every mode is covered:
+
+- plain HTTP requests (`requestheaders`) and requests inside intercepted
+  tunnels: transfer quota, request rate, per-host rate; a connection's first
+  request also counts the connection against `max_connections`;
+- CONNECT (`http_connect`): the same, plus `max_tunnels`; the CONNECT gets
+  the 429 itself;
+- SOCKS5 and transparent connections (`server_connect`, where the gate
+  decided them): the same checks; a SOCKS5 client gets the refusal reply
+  (REP 2), a transparent connection is closed;
+- `max_total_connections` is counted as connections are accepted
+  (`client_connected`): over it the connection is closed before a byte is
+  read, with an audit line.
+
+A refused request's own audit line names the limit (its verdict becomes the
+refusal, so every addon after this one sees a refused request); a SOCKS5 or
+transparent refusal and a connection closed at accept get a `connect` or
+`connection` line written here. Transfer (`bytes_per_hour`) counts the
+bodies of HTTP exchanges when they end and every byte of a tunnel at its
+server socket as it passes; a tunnel whose client runs out is closed
+(`quota_exceeded` on its tunnel line). In report mode (`action: report`) a
+limit that would refuse is recorded as `would_refuse` and nothing is refused.
+
+The counters are per process (policy.quotas.Counters; `MemoryCounters`
+here): with `--workers N` or several replicas each process enforces its own
+share, as docs/policy.md says.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+
+from mitmproxy import connection, http
+from mitmproxy.proxy import mode_specs
+from mitmproxy.proxy.server_hooks import ServerConnectionHookData
+
+from sluice.addons import connections
+from sluice.addons.audit import AuditLog, peer
+from sluice.addons.caps import Caps
+from sluice.addons.failsafe import fail_closed
+from sluice.addons.gate import SOCKS5_NOT_ALLOWED, EgressGate
+from sluice.addons.policy_source import PolicySource
+from sluice.addons.refusals import noted, refusal_response
+from sluice.addons.verdict import Verdict, verdict_of
+from sluice.policy import quotas
+from sluice.policy.model import Limits
+from sluice.policy.quotas import Counters, MemoryCounters
+from sluice.policy.reasons import Reason, Refusal
+
+COUNTED = "sluice_quota_counted"  # flow.metadata: its bytes were counted
+
+
+@dataclass(slots=True)
+class _Conn:
+    """What one client connection holds."""
+
+    source: str | None
+    total: bool = False  # counted in max_total_connections
+    admitted: bool = False  # counted in its source's max_connections
+    tunnels: list[tuple] = field(default_factory=list)  # tunnel keys held
+    connects: dict[str, tuple] = field(default_factory=dict)  # CONNECT flow id -> the tunnel key it took
+    servers: list[str] = field(default_factory=list)  # server ids waiting to be metered
+
+
+class Quotas:
+    def __init__(self, source: PolicySource, audit: AuditLog, caps: Caps, gate: EgressGate,
+                 counters: Counters | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+        self.source = source
+        self.audit = audit
+        self.caps = caps
+        self.gate = gate
+        self.counters: Counters = counters if counters is not None else MemoryCounters()
+        self.clock = clock
+        self._conns: dict[str, _Conn] = {}  # client id
+        # server id -> (tunnel verdict, client key, limits): tunnels whose
+        # bytes count against a transfer quota, metered once connected.
+        self._meters: dict[str, tuple[Verdict, tuple, Limits]] = {}
+
+    # ---- connections ---------------------------------------------------------
+
+    def client_connected(self, client: connection.Client) -> None:
+        state = self._conns[client.id] = _Conn(_source(client))
+        live = self.source.current
+        limit = live.policy.rules.limits.max_total_connections if live is not None else None
+        why = quotas.admit_total(self.counters, limit)
+        if why is None:
+            state.total = True
+            return
+        self.audit.write(event="connection", client=peer(client), decision="refuse",
+                         reason=Reason.TOO_MANY_CONNECTIONS.value, detail=why)
+        client.error = f"{Reason.TOO_MANY_CONNECTIONS.value}: {why}"  # mitmproxy closes it before reading
+
+    def client_disconnected(self, client: connection.Client) -> None:
+        state = self._conns.pop(client.id, None)
+        if state is None:
+            return
+        if state.total:
+            self.counters.release(quotas.TOTAL_KEY)
+        if state.admitted:
+            self.counters.release(quotas.connection_key(state.source))
+        for key in state.tunnels:
+            self.counters.release(key)
+        for server_id in state.servers:
+            self._meters.pop(server_id, None)
+
+    def _admit_connection(self, client: connection.Client, limits: Limits) -> Refusal | None:
+        state = self._conns.get(client.id)
+        if state is None or state.admitted:
+            return None
+        refusal = quotas.admit_connection(self.counters, limits, state.source)
+        if refusal is None:
+            state.admitted = True
+        return refusal
+
+    def _admit_tunnel(self, client: connection.Client, key: tuple, limits: Limits, connect_id: str | None = None) -> Refusal | None:
+        refusal = quotas.admit_tunnel(self.counters, limits, key)
+        if refusal is None:
+            tunnel = quotas.tunnel_key(key)
+            state = self._conns.get(client.id)
+            if state is None:  # not seen connecting (cannot happen): hold nothing
+                self.counters.release(tunnel)
+            else:
+                state.tunnels.append(tunnel)
+                if connect_id is not None:
+                    state.connects[connect_id] = tunnel
+        return refusal
+
+    # ---- HTTP requests and CONNECT ---------------------------------------------
+
+    @fail_closed()
+    def requestheaders(self, flow: http.HTTPFlow) -> None:
+        if flow.response is not None or flow.request.method == "CONNECT":
+            return
+        verdict = verdict_of(flow)
+        if verdict is None or verdict.rules is None or not verdict.decision.allowed:
+            return
+        limits = verdict.rules.limits
+        inside = self.gate._tunnels.get(flow.server_conn.id) is not None  # its tunnel's connection was counted
+        refusal = None if inside else self._admit_connection(flow.client_conn, limits)
+        if refusal is None:
+            key = self._client(verdict, flow.client_conn)
+            refusal = quotas.check_request(self.counters, limits, key, verdict.host, self.clock())
+        if refusal is not None:
+            self._refuse_flow(flow, verdict, refusal)
+
+    @fail_closed()
+    def http_connect(self, flow: http.HTTPFlow) -> None:
+        if flow.response is not None:
+            return
+        verdict = verdict_of(flow)
+        if verdict is None or verdict.rules is None or not verdict.decision.allowed:
+            return
+        limits = verdict.rules.limits
+        key = self._client(verdict, flow.client_conn)
+        refusal = self._admit_connection(flow.client_conn, limits)
+        if refusal is None:
+            refusal = quotas.check_request(self.counters, limits, key, verdict.host, self.clock())
+        if refusal is None and verdict.rules.action != "report":
+            refusal = self._admit_tunnel(flow.client_conn, key, limits, flow.id)
+        if refusal is not None:
+            self._refuse_flow(flow, verdict, refusal)
+        elif limits.bytes_per_hour is not None and not verdict.intercept:
+            self._meter_later(flow.client_conn, flow.server_conn, verdict, key, limits)
+
+    def http_connect_error(self, flow: http.HTTPFlow) -> None:
+        """A CONNECT that failed (or was refused after this addon): its
+        tunnel never opened, so it holds no tunnel slot."""
+        state = self._conns.get(flow.client_conn.id)
+        tunnel = state.connects.pop(flow.id, None) if state is not None else None
+        if tunnel is not None:
+            state.tunnels.remove(tunnel)
+            self.counters.release(tunnel)
+
+    def _refuse_flow(self, flow: http.HTTPFlow, verdict: Verdict, refusal: Refusal) -> None:
+        if verdict.rules is not None and verdict.rules.action == "report":
+            if verdict.decision.would_refuse is None:
+                verdict.decision = replace(verdict.decision, would_refuse=refusal)
+            return
+        verdict.decision = replace(verdict.decision, allowed=False, refusal=refusal)
+        response = refusal_response(noted(flow, refusal))
+        if refusal.reason is Reason.TOO_MANY_CONNECTIONS and not (flow.request.is_http2 or flow.request.is_http3):
+            response.headers["Connection"] = "close"  # the extra connection itself is refused
+        flow.response = response
+
+    # ---- HTTP transfer ---------------------------------------------------------
+
+    def response(self, flow: http.HTTPFlow) -> None:
+        self._count_exchange(flow)
+
+    def error(self, flow: http.HTTPFlow) -> None:
+        self._count_exchange(flow)
+
+    def _count_exchange(self, flow: http.HTTPFlow) -> None:
+        """An HTTP exchange's body bytes (both ways) against its client's
+        bytes_per_hour, when it ends. Tunnels are counted at their socket."""
+        verdict = verdict_of(flow)
+        if (verdict is None or verdict.rules is None or verdict.rules.limits.bytes_per_hour is None
+                or not verdict.decision.allowed or flow.request.method == "CONNECT" or flow.metadata.get(COUNTED)):
+            return
+        flow.metadata[COUNTED] = True
+        response = flow.response
+        sent = verdict.bytes_from_client or len(flow.request.raw_content or b"")
+        received = verdict.bytes_from_server or (len(response.raw_content or b"") if response is not None else 0)
+        if sent + received:
+            key = self._client(verdict, flow.client_conn)
+            self.counters.spend(quotas.bytes_key(key), sent + received, None, quotas.HOUR, self.clock())
+
+    # ---- SOCKS5 and transparent: decided at the dial ------------------------------
+
+    @fail_closed()
+    def server_connect(self, data: ServerConnectionHookData) -> None:
+        server = data.server
+        if server.error or server.address is None:
+            return
+        tunnel = self.gate._tunnels.get(server.id)
+        if tunnel is None or tunnel.connect_id is not None or tunnel.rules is None or tunnel.logged:
+            return  # not a SOCKS5 or transparent tunnel the gate just allowed
+        limits = tunnel.rules.limits
+        key = self._client(tunnel, data.client)
+        refusal = self._admit_connection(data.client, limits)
+        if refusal is None:
+            refusal = quotas.check_request(self.counters, limits, key, tunnel.host, self.clock())
+        if refusal is None and tunnel.rules.action != "report":
+            refusal = self._admit_tunnel(data.client, key, limits)
+        if refusal is None:
+            if limits.bytes_per_hour is not None and not tunnel.intercept:
+                self._meter_later(data.client, server, tunnel, key, limits)
+            return
+        if tunnel.rules.action == "report":
+            if tunnel.decision.would_refuse is None:
+                tunnel.decision = replace(tunnel.decision, would_refuse=refusal)
+            return
+        refusal = refusal.with_note(tunnel.rules.refusal_note)
+        tunnel.decision = replace(tunnel.decision, allowed=False, refusal=refusal)
+        tunnel.logged = True  # this line is the tunnel's only one
+        server.error = f"{refusal.reason.value}: {refusal.message}"
+        host, port = server.address
+        self.audit.write(event="connect", client=peer(data.client), user=tunnel.user, profile=tunnel.profile,
+                         host=tunnel.host, port=port, address=str(host), decision="refuse",
+                         reason=refusal.reason.value, detail=refusal.detail)
+        if isinstance(data.client.proxy_mode, mode_specs.Socks5Mode):
+            # "Connection not allowed by ruleset", as the gate answers its own refusals.
+            connections.write_to_client(data.client, SOCKS5_NOT_ALLOWED)
+            connections.shut_client_writer(data.client)
+
+    # ---- tunnels' transfer -------------------------------------------------------
+
+    def _meter_later(self, client: connection.Client, server: connection.Server, verdict: Verdict, key: tuple, limits: Limits) -> None:
+        self._meters[server.id] = (verdict, key, limits)
+        state = self._conns.get(client.id)
+        if state is not None:
+            state.servers.append(server.id)
+
+    def server_connected(self, data: ServerConnectionHookData) -> None:
+        entry = self._meters.pop(data.server.id, None)
+        if entry is None:
+            return
+        verdict, key, limits = entry
+        meter = quotas.TransferMeter(self.counters, key, limits.bytes_per_hour)
+        client, clock, loop = data.client, self.clock, asyncio.get_running_loop()
+
+        def count(from_client: bool, n: int) -> int:
+            if verdict.cap is not None:
+                return 0
+            granted = meter(n, clock())
+            if granted < n:
+                if not from_client:
+                    # The caps' meter beneath this one counted the whole chunk
+                    # read from the origin; only `granted` reaches the client.
+                    verdict.bytes_from_server -= n - granted
+                _, resets_in = self.counters.window(quotas.bytes_key(key), quotas.HOUR, clock())
+                loop.call_soon(self.caps.cut_tunnel, client, verdict, quotas.transfer_refusal(limits, resets_in, cut=True))
+            return granted
+
+        connections.meter_server(client, data.server, count)
+
+    def server_connect_error(self, data: ServerConnectionHookData) -> None:
+        self._meters.pop(data.server.id, None)
+
+    # ---- who -----------------------------------------------------------------
+
+    def _client(self, verdict: Verdict, client: connection.Client) -> tuple:
+        state = self._conns.get(client.id)
+        return quotas.client_key(verdict.profile, verdict.user, state.source if state is not None else _source(client))
+
+
+def _source(client: connection.Client) -> str | None:
+    source = client.peername[0] if client.peername else None
+    if source and source.startswith("::ffff:"):
+        source = source[7:]  # dual-stack sockets report IPv4 clients as mapped
+    return source

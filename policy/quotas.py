@@ -1,0 +1,278 @@
+"""Per-client quotas, the pure part: the counters the quota addon
+(addons/quotas.py) counts through, and the checks that turn a policy's
+quota `limits` and those counters into refusals. No sockets and no clock of
+its own: every call is given `now` (seconds on a monotonic clock).
+
+Who is counted:
+
+- `max_connections`: client connections from one source address (identity
+  is not known when a connection is accepted).
+- `max_total_connections`: every client connection of the process.
+- everything else (`max_tunnels`, `requests_per_second`/`burst`,
+  `bytes_per_hour`, `max_requests_per_host_per_minute`) per *client*: the
+  proxy user once a request names one (Proxy-Authorization, a SOCKS5 login),
+  else the source address (`client_key`).
+
+The counters sit behind the `Counters` protocol, so a store shared by
+processes or replicas could replace `MemoryCounters` without touching the
+addon or the gate. `MemoryCounters` keeps memory bounded: a key is dropped
+once it carries no information (a bucket that has refilled, a window that
+ended, a count back at zero), swept at most every SWEEP_SECONDS; past
+MAX_KEYS buckets or windows the oldest are forgotten (forgetting only ever
+lets a client through, never refuses one).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Hashable
+from dataclasses import dataclass
+from typing import Protocol
+
+from sluice.policy.model import Limits
+from sluice.policy.reasons import Reason, Refusal
+
+HOUR = 3600.0
+MINUTE = 60.0
+SWEEP_SECONDS = 10.0
+MAX_KEYS = 100_000
+TOTAL_KEY = ("total",)
+
+
+class Counters(Protocol):
+    """What quotas count with. Every method is one atomic step, so a shared
+    store can implement it as one round trip."""
+
+    def take(self, key: Hashable, rate: float, burst: float, now: float) -> float:
+        """Token bucket `key` (holds up to `burst`, refills `rate` a second,
+        starts full): take one token and return 0.0, or take nothing and
+        return the seconds until one is there."""
+
+    def spend(self, key: Hashable, amount: int, limit: int | None, period: float, now: float) -> int:
+        """Fixed window of `period` seconds from its first use: add up to
+        `amount` without passing `limit` (None: no limit); return how much
+        was added."""
+
+    def window(self, key: Hashable, period: float, now: float) -> tuple[int, float]:
+        """(used in the current window, seconds until it resets)."""
+
+    def acquire(self, key: Hashable, limit: int | None) -> bool:
+        """Count one more concurrent holder of `key` if fewer than `limit`
+        (None: no limit) hold it; False, counting nothing, otherwise."""
+
+    def release(self, key: Hashable) -> None:
+        """One holder of `key` fewer."""
+
+    def count(self, key: Hashable) -> int:
+        """How many hold `key`."""
+
+
+class MemoryCounters:
+    """Counters in this process's memory (see the module docstring)."""
+
+    __slots__ = ("_buckets", "_windows", "_counts", "_swept", "max_keys")
+
+    def __init__(self, max_keys: int = MAX_KEYS) -> None:
+        self._buckets: dict[Hashable, list[float]] = {}  # key -> [tokens, last, rate, burst]
+        self._windows: dict[Hashable, list[float]] = {}  # key -> [used, start, period]
+        self._counts: dict[Hashable, int] = {}
+        self._swept = -math.inf
+        self.max_keys = max_keys
+
+    def __len__(self) -> int:
+        return len(self._buckets) + len(self._windows) + len(self._counts)
+
+    def take(self, key: Hashable, rate: float, burst: float, now: float) -> float:
+        self._maybe_sweep(now)
+        state = self._buckets.get(key)
+        if state is None:
+            self._make_room(self._buckets, now)
+            state = self._buckets[key] = [float(burst), now, rate, burst]
+        else:
+            tokens = state[0] + max(0.0, now - state[1]) * rate
+            state[0] = tokens if tokens < burst else float(burst)
+            state[1], state[2], state[3] = now, rate, burst
+        if state[0] >= 1.0:
+            state[0] -= 1.0
+            return 0.0
+        return (1.0 - state[0]) / rate
+
+    def spend(self, key: Hashable, amount: int, limit: int | None, period: float, now: float) -> int:
+        self._maybe_sweep(now)
+        state = self._windows.get(key)
+        if state is None or now >= state[1] + state[2]:
+            if state is None:
+                self._make_room(self._windows, now)
+            state = self._windows[key] = [0, now, period]
+        granted = amount if limit is None else max(0, min(amount, limit - int(state[0])))
+        state[0] += granted
+        return granted
+
+    def window(self, key: Hashable, period: float, now: float) -> tuple[int, float]:
+        state = self._windows.get(key)
+        if state is None or now >= state[1] + state[2]:
+            return 0, period
+        return int(state[0]), state[1] + state[2] - now
+
+    def acquire(self, key: Hashable, limit: int | None) -> bool:
+        held = self._counts.get(key, 0)
+        if limit is not None and held >= limit:
+            return False
+        self._counts[key] = held + 1
+        return True
+
+    def release(self, key: Hashable) -> None:
+        held = self._counts.get(key, 0) - 1
+        if held > 0:
+            self._counts[key] = held
+        else:
+            self._counts.pop(key, None)
+
+    def count(self, key: Hashable) -> int:
+        return self._counts.get(key, 0)
+
+    # ---- bounded memory ----------------------------------------------------
+
+    def _maybe_sweep(self, now: float) -> None:
+        if now - self._swept >= SWEEP_SECONDS:
+            self.sweep(now)
+
+    def sweep(self, now: float) -> None:
+        """Drop every bucket that has refilled and every window that ended."""
+        self._swept = now
+        full = [k for k, (tokens, last, rate, burst) in self._buckets.items() if tokens + (now - last) * rate >= burst]
+        for k in full:
+            del self._buckets[k]
+        ended = [k for k, (_, start, period) in self._windows.items() if now >= start + period]
+        for k in ended:
+            del self._windows[k]
+
+    def _make_room(self, table: dict, now: float) -> None:
+        if len(table) < self.max_keys:
+            return
+        self.sweep(now)
+        while len(table) >= self.max_keys:
+            del table[next(iter(table))]  # the oldest key: forgetting it only lets its client through
+
+
+# ---- who is counted --------------------------------------------------------
+
+
+def client_key(profile: str | None, user: str | None, source: str | None) -> tuple:
+    """The client a request is counted against: its proxy user once known
+    (with the profile it matched), else its source address."""
+    if user:
+        return ("user", profile, user)
+    return ("addr", source)
+
+
+def connection_key(source: str | None) -> tuple:
+    return ("conn", source)
+
+
+def tunnel_key(client: tuple) -> tuple:
+    return ("tunnels",) + client
+
+
+def bytes_key(client: tuple) -> tuple:
+    return ("bytes",) + client
+
+
+# ---- the checks --------------------------------------------------------------
+
+
+def _seconds(wait: float) -> int:
+    """A wait as the whole seconds of Retry-After: rounded up, so waiting
+    that long is always enough."""
+    return max(1, math.ceil(wait))
+
+
+def _when(seconds: int) -> str:
+    if seconds < 120:
+        return f"{seconds} second{'s' if seconds != 1 else ''}"
+    return f"{math.ceil(seconds / 60)} minutes"
+
+
+def size_text(n: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale and n % scale == 0:
+            return f"{n // scale} {unit}"
+    return f"{n} bytes"
+
+
+def transfer_refusal(limits: Limits, resets_in: float, *, cut: bool = False) -> Refusal:
+    """`bytes_per_hour` used up: a new request's refusal, or (`cut`) why an
+    open tunnel was closed."""
+    retry = _seconds(resets_in)
+    what = ("this agent used up its hourly transfer quota" if cut else "this agent has used its hourly transfer quota")
+    return Refusal(Reason.QUOTA_EXCEEDED,
+                   f"{what} of {size_text(limits.bytes_per_hour)}; it resets in {_when(retry)}", retry_after=retry)
+
+
+def check_request(counters: Counters, limits: Limits, client: tuple, host: str, now: float) -> Refusal | None:
+    """A new request (an HTTP request, a CONNECT, a SOCKS5 or transparent
+    connection): the transfer quota, the request rate and the per-host rate,
+    in that order. A request that passes has taken its tokens."""
+    if limits.bytes_per_hour is not None:
+        used, resets_in = counters.window(bytes_key(client), HOUR, now)
+        if used >= limits.bytes_per_hour:
+            return transfer_refusal(limits, resets_in)
+    rate = limits.requests_per_second
+    if rate is not None:
+        burst = limits.rate_burst
+        wait = counters.take(("rate",) + client, rate, burst, now)
+        if wait > 0:
+            return Refusal(Reason.RATE_LIMITED,
+                           f"this agent is over its rate limit of {rate:g} requests a second (bursts of {burst}); slow down",
+                           retry_after=_seconds(wait))
+    per_host = limits.max_requests_per_host_per_minute
+    if per_host is not None:
+        wait = counters.take(("host", host.lower()) + client, per_host / MINUTE, per_host, now)
+        if wait > 0:
+            return Refusal(Reason.HOST_RATE_LIMITED,
+                           f"this agent is over its limit of {per_host} requests a minute to {host}; "
+                           "other hosts are not affected", retry_after=_seconds(wait))
+    return None
+
+
+def admit_connection(counters: Counters, limits: Limits, source: str | None) -> Refusal | None:
+    """Count a client connection against its source address's
+    `max_connections` (from its first request until it closes)."""
+    if counters.acquire(connection_key(source), limits.max_connections):
+        return None
+    return Refusal(Reason.TOO_MANY_CONNECTIONS,
+                   f"{source or 'this address'} already has {limits.max_connections} connections open through the proxy, "
+                   "this policy's max_connections for it",
+                   advice="Reuse an open connection (keep-alive) or close one, then retry.")
+
+
+def admit_tunnel(counters: Counters, limits: Limits, client: tuple) -> Refusal | None:
+    """Count an open tunnel against the client's `max_tunnels`."""
+    if counters.acquire(tunnel_key(client), limits.max_tunnels):
+        return None
+    return Refusal(Reason.TOO_MANY_TUNNELS,
+                   f"this agent already has {limits.max_tunnels} tunnels open, this policy's max_tunnels",
+                   advice="Close a tunnel (or let a download finish) before opening another, then retry.")
+
+
+def admit_total(counters: Counters, limit: int | None) -> str | None:
+    """Count a newly accepted client connection against
+    `max_total_connections`; None if it may stay, else why not."""
+    if counters.acquire(TOTAL_KEY, limit):
+        return None
+    return (f"the proxy already has {limit} client connections open, its max_total_connections; "
+            "this connection was closed when it was accepted")
+
+
+@dataclass(slots=True)
+class TransferMeter:
+    """Counts an open tunnel's bytes (both directions) against its client's
+    `bytes_per_hour`: `__call__(n, now)` says how many of `n` bytes may pass;
+    fewer than `n` means the quota ran out and the tunnel must be closed."""
+
+    counters: Counters
+    client: tuple
+    limit: int
+
+    def __call__(self, n: int, now: float) -> int:
+        return self.counters.spend(bytes_key(self.client), n, self.limit, HOUR, now)
