@@ -5,6 +5,10 @@ code, so operators have one canonical place to look (like Smokescreen's
 decision line). Allowed exchanges are logged when they end, with bytes and
 duration; refusals are logged at once. Policy reloads are logged too.
 
+Observers (addons/metrics.py, addons/admin.py) see every record through
+`listeners`: each is called with the line's dict after it is written, so
+metrics count exactly the decisions the log records.
+
 `time` is RFC 3339 in UTC with milliseconds (`2026-11-29T09:15:02.118Z`).
 
 A file survives log rotation: it is reopened on SIGHUP (PolicySource's
@@ -31,9 +35,13 @@ from sluice.policy.decide import Decision
 # The one list of audit fields, in output order. Absent values are null.
 FIELDS = (
     "time", "event", "id", "connect_id", "client", "user", "profile", "method", "scheme", "host", "port",
-    "address", "decision", "reason", "would_refuse", "rule", "status",
+    "address", "decision", "reason", "would_refuse", "rule", "credential", "status",
     "bytes_in", "bytes_out", "duration", "detail",
 )
+
+# flow.metadata key: the `file:line` of the credentials entry whose headers
+# the proxy set on this request (addons/credentials.py); never the value.
+CREDENTIAL_META = "sluice_credential"
 
 logger = logging.getLogger("sluice.audit")
 
@@ -50,6 +58,7 @@ class AuditLog:
         self._path: str | None = None
         self._identity: tuple[int, int] | None = None  # (st_dev, st_ino) of the open file
         self._reopen_failed = False  # reported once until a reopen works
+        self.listeners: list = []  # called with each record (a dict of FIELDS) after it is written
 
     def load(self, loader) -> None:
         loader.add_option(
@@ -116,6 +125,11 @@ class AuditLog:
         # surrogates) are escaped, so a line can always be written.
         out.write(json.dumps(line, separators=(",", ":")) + "\n")
         out.flush()
+        for listener in self.listeners:
+            try:
+                listener(line)
+            except Exception:  # an observer's bug must never cost an audit line or a decision
+                logger.exception(f"audit listener {listener!r} failed")
 
     # ---- hooks: this addon runs last, after every cap and guard ---------
 
@@ -157,6 +171,7 @@ class AuditLog:
             reason=(refusal or soft).reason.value if (refusal or soft) else None,
             would_refuse=True if soft else None,
             rule=_rule(d, refusal),
+            credential=flow.metadata.get(CREDENTIAL_META),
             status=(verdict.wire_status or
                     (refusal.status if verdict.cap and not verdict.response_started else
                      response.status_code if response else None)),

@@ -30,6 +30,15 @@ MAX_CNAME_HOPS = 8
 CACHE_ENTRIES = 10_000
 NEGATIVE_TTL = 5.0  # how long "no such name" is remembered
 
+# Told of each decision's time, each cache hit or miss and each upstream
+# lookup (addons/metrics.py ResolverMetrics); None: nothing is measured.
+_observer = None
+
+
+def set_observer(observer) -> None:
+    global _observer
+    _observer = observer
+
 
 @dataclass(frozen=True, slots=True)
 class Resolution:
@@ -81,10 +90,14 @@ class PinnedResolver:
             expires, value = entry
             if expires > time.monotonic():
                 self._cache.move_to_end(name)
+                if _observer is not None:
+                    _observer.cache(True)
                 if isinstance(value, DnsFailure):
                     raise value
                 return value
             del self._cache[name]
+        if _observer is not None:
+            _observer.cache(False)
         pending = self._inflight.get(name)
         if pending is None:
             pending = asyncio.ensure_future(self._lookup(name))
@@ -94,12 +107,17 @@ class PinnedResolver:
 
     async def _lookup(self, name: str) -> Resolution:
         self.queries += 1
+        started = time.perf_counter()
         try:
             result = await self._resolve_uncached(name)
         except DnsFailure as failure:
+            if _observer is not None:
+                _observer.lookup(time.perf_counter() - started, False)
             if failure.cacheable:
                 self._store(name, failure, NEGATIVE_TTL)
             raise
+        if _observer is not None:
+            _observer.lookup(time.perf_counter() - started, True)
         self._store(name, result, result.ttl)
         return result
 
@@ -217,7 +235,12 @@ async def decide(rules: Rules, dest: Destination, resolver: PinnedResolver | Sta
     """The whole decision for one destination: the pure checks, with the
     lookup in between. The gate and `sluice policy explain` both use this.
     A refusal carries the rules' `refusal_note`."""
-    return _noted(await _decide(rules, dest, resolver), rules)
+    if _observer is None:
+        return _noted(await _decide(rules, dest, resolver), rules)
+    started = time.perf_counter()
+    decision = _noted(await _decide(rules, dest, resolver), rules)
+    _observer.decision(time.perf_counter() - started)
+    return decision
 
 
 async def _decide(rules: Rules, dest: Destination, resolver: PinnedResolver | StaticResolver) -> Decision:

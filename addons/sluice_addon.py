@@ -8,6 +8,7 @@ log writes last, once every cap has had its say.
 from sluice.addons.audit import AuditLog
 from sluice.addons.caps import Caps
 from sluice.addons.connection_audit import ConnectionAudit
+from sluice.addons.credentials import CredentialInjector
 from sluice.addons.gate import EgressGate
 from sluice.addons.guardrails import Guardrails
 from sluice.addons.head_limits import HeadLimits
@@ -18,13 +19,28 @@ from sluice.addons.redirects import RedirectGuard
 from sluice.addons.upgrades import UpgradeGuard
 
 
-def make_addons() -> list:
+def make_addons(*, lifecycle: bool = False, metrics: bool = False) -> list:
+    """`lifecycle` (sluice proxy): the readiness state and the graceful drain
+    (addons/admin.py Status, addons/drain.py); `metrics`: the Prometheus
+    metrics (addons/metrics.py). Both watch the audit log's records."""
     mitm_patches.install()
     audit = AuditLog()
     source = PolicySource(audit)
     caps = Caps(source, audit)
     gate = EgressGate(source, audit, caps)
-    return [Guardrails(), source, ConnectionAudit(audit), gate, Quotas(source, audit, caps, gate), RedirectGuard(source), UpgradeGuard(caps, source), caps, HeadLimits(source, audit), audit]
+    operations: list = []
+    tunnels = lambda: gate._tunnels.values()  # noqa: E731 - the open tunnels' verdicts
+    if lifecycle:
+        from sluice.addons.admin import Status
+        from sluice.addons.drain import Drain
+
+        status = Status(audit, source)
+        operations += [status, Drain(caps, tunnels, status.drain)]
+    if metrics:
+        from sluice.addons.metrics import Metrics
+
+        operations.append(Metrics(audit, source, tunnels))
+    return [Guardrails(), source, ConnectionAudit(audit), gate, Quotas(source, audit, caps, gate), CredentialInjector(source, audit), RedirectGuard(source), UpgradeGuard(caps, source), caps, HeadLimits(source, audit), audit, *operations]
 
 
 addons = make_addons()

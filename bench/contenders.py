@@ -181,6 +181,10 @@ def _start_sluice(c: Contender, root: Path, policy: Path) -> None:
             "--audit-log", str(root / f"audit-{c.key}.jsonl"), "--set", f"confdir={_confdir(root)}"]
     if c.workers > 1:
         argv += ["--workers", str(c.workers)]
+    if c.tree is None:
+        # Each Sluice its own admin port (metrics on, as by default); a
+        # baseline tree may predate --admin.
+        argv += ["--admin", f"{LISTEN}:{c.port + 1000}"]
     env = None
     if c.tree is not None:
         # Its sluice, addons and policy packages first; -P: not the current

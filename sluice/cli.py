@@ -95,6 +95,12 @@ def _parser() -> argparse.ArgumentParser:
                        help="run N proxy processes sharing the listening port (SO_REUSEPORT); default 1")
     proxy.add_argument("--ca-dir", default=None, metavar="DIR",
                        help="interception CA directory (default: $SLUICE_CA_DIR or ~/.sluice/ca)")
+    proxy.add_argument("--admin", default="127.0.0.1:9090", metavar="HOST:PORT",
+                       help="admin listener for /healthz, /readyz, /metrics and /policy, never a proxy port; "
+                            "'off' disables it (default: %(default)s)")
+    proxy.add_argument("--drain-timeout", type=float, default=30.0, metavar="SECONDS",
+                       help="on SIGTERM, how long in-flight exchanges and tunnels may take to finish before they "
+                            "are cut (default: %(default)g)")
 
     ca = sub.add_parser("ca", help="print the interception CA certificate's path and PEM (creating it if missing)")
     ca.add_argument("--ca-dir", default=None, metavar="DIR", help="CA directory (default: $SLUICE_CA_DIR or ~/.sluice/ca)")
@@ -221,11 +227,13 @@ def _main(argv: list[str] | None) -> int:
             print(f"sluice: {problem}", file=sys.stderr)
             return EXIT_USAGE
         worker_args = [a for a in (argv if argv is not None else sys.argv[1:])[1:]]
-        return supervise(args.workers, _without_workers(worker_args))
+        return supervise(args.workers, _without_workers(worker_args), admin=args.admin,
+                         drain_timeout=args.drain_timeout, listen=(host, port), modes=args.mode)
     if args.command == "proxy":
         from sluice.proxy import run
 
-        return run(args.policy, args.listen, args.mode, args.audit_log, args.sets, args.ca_dir)
+        return run(args.policy, args.listen, args.mode, args.audit_log, args.sets, args.ca_dir,
+                   admin=args.admin, drain_timeout=args.drain_timeout)
     if args.command == "ca":
         from sluice.ca import show
 
@@ -248,11 +256,11 @@ def _without_workers(args: list[str]) -> list[str]:
     for a in args:
         if skip:
             skip = False
-        elif a == "--workers":
+        elif a in ("--workers", "--admin"):  # the supervisor serves the one admin endpoint
             skip = True
-        elif not a.startswith("--workers="):
+        elif not a.startswith(("--workers=", "--admin=")):
             out.append(a)
-    return out
+    return [*out, "--admin", "off"]
 
 
 if __name__ == "__main__":

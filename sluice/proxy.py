@@ -15,6 +15,7 @@ from mitmproxy.master import Master
 from mitmproxy.proxy import mode_specs
 
 from sluice.addons import mitm_patches
+from sluice.addons.admin import WORKER_DIR_ENV, AdminServer, Endpoints, admin_problem, parse_admin, same_listener
 from sluice.addons.sluice_addon import make_addons
 from sluice.ca import ca_dir, ensure_ca
 from sluice.cli import EXIT_USAGE, listen_problem
@@ -61,6 +62,17 @@ class StartupErrors(errorcheck.ErrorCheck):
             raise SystemExit(EXIT_USAGE if e.code == 1 else e.code) from None
 
 
+def proxy_addresses(opts: options.Options) -> list[tuple[str, int]]:
+    """The TCP addresses the proxy's listeners will use (fixed ports only)."""
+    addresses = []
+    for spec in opts.mode:
+        mode = mode_specs.ProxyMode.parse(spec)
+        port = mode.listen_port(opts.listen_port)
+        if port and mode.transport_protocol in ("tcp", "both"):
+            addresses.append((mode.listen_host(opts.listen_host), port))
+    return addresses
+
+
 def listen_problems(opts: options.Options) -> list[str]:
     """Each listener that could not be opened, as a sentence (checked before
     mitmproxy opens them, so the message names the address and the flag)."""
@@ -95,12 +107,17 @@ class ReadyLine:
         print(f"sluice: ready on {shown} (mode {modes}; policy {self.policy_path})", file=sys.stderr, flush=True)
 
 
-async def _serve(policy: str, listen: tuple[str, int], modes: list[str], audit_log: str, sets: list[str], ca: str) -> int:
+async def _serve(policy: str, listen: tuple[str, int], modes: list[str], audit_log: str, sets: list[str], ca: str,
+                 admin: tuple[str, int] | None = None, drain_timeout: float = 30.0) -> int:
     opts = options.Options(listen_host=listen[0], listen_port=listen[1], confdir=ca)
     mitm_patches.install()
     master = Master(opts, with_termlog=False)
     master.addons.add(TermLog(out=sys.stderr), *mitmproxy_addons())
-    master.addons.add(*make_addons(), ReadyLine(policy))
+    # A worker's supervisor serves its metrics: they are kept even without --admin.
+    metrics = admin is not None or bool(os.environ.get(WORKER_DIR_ENV))
+    master.addons.add(*make_addons(lifecycle=True, metrics=metrics), ReadyLine(policy))
+    drain, status = master.addons.get("drain"), master.addons.get("status")
+    drain.timeout = drain_timeout
     mitm_patches.fast_dispatch(master.addons)  # a fixed addon list: resolve each event's hooks once
     try:
         opts.update(**SLUICE_DEFAULTS)
@@ -113,22 +130,41 @@ async def _serve(policy: str, listen: tuple[str, int], modes: list[str], audit_l
         print(f"sluice: {message}", file=sys.stderr)
         return 2
     problems = listen_problems(opts)
+    if admin is not None:
+        problems += [f"--admin {admin[0]}:{admin[1]} is a proxy listening address; the admin endpoint needs its own "
+                     "port: choose another with --admin HOST:PORT, or --admin off"
+                     for address in proxy_addresses(opts) if same_listener(admin, address)][:1]
     if problems:
         for problem in problems:
             print(f"sluice: {problem}", file=sys.stderr)
         return EXIT_USAGE
+    server = None
+    if admin is not None:
+        try:
+            server = AdminServer(*admin, Endpoints(status)).start()
+        except OSError as e:
+            print(f"sluice: {admin_problem(*admin, e)}", file=sys.stderr)
+            return EXIT_USAGE
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, master.shutdown)
+        loop.add_signal_handler(sig, drain.signal)
     if hasattr(signal, "SIGPIPE"):
         signal.signal(signal.SIGPIPE, signal.SIG_IGN)
-    await master.run()
+    try:
+        await master.run()
+    finally:
+        if server is not None:
+            server.close()
     return 0
 
 
-def run(policy: str, listen: str, modes: list[str], audit_log: str, sets: list[str], ca: str | None = None) -> int:
+def run(policy: str, listen: str, modes: list[str], audit_log: str, sets: list[str], ca: str | None = None,
+        admin: str = "127.0.0.1:9090", drain_timeout: float = 30.0) -> int:
     try:
         address = parse_listen(listen)
+        admin_address = parse_admin(admin)
+        if not 0 <= drain_timeout <= 86400:
+            raise ValueError("--drain-timeout takes a number of seconds from 0 to 86400")
         directory = ca_dir(ca)
         ensure_ca(directory)
     except ValueError as e:
@@ -140,4 +176,4 @@ def run(policy: str, listen: str, modes: list[str], audit_log: str, sets: list[s
     logging.getLogger("asyncio").setLevel(logging.WARNING)
     if os.environ.get(REUSE_PORT_ENV) == "1":
         enable_reuse_port()
-    return asyncio.run(_serve(policy, address, modes, audit_log, sets, str(directory)))
+    return asyncio.run(_serve(policy, address, modes, audit_log, sets, str(directory), admin_address, drain_timeout))

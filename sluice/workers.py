@@ -4,17 +4,35 @@ mitmproxy serves from one Python thread, so one process tops out at one
 core. Workers are full `sluice proxy` processes whose listeners set
 SO_REUSEPORT, so the kernel spreads new client connections across them.
 Each keeps its own DNS cache and watches the policy file itself. This
-supervisor forwards SIGHUP, stops them all on SIGTERM/SIGINT, prints one
-ready line when all are listening, and exits (stopping the rest) if any dies.
+supervisor forwards SIGHUP, prints one ready line when all are listening,
+and exits (stopping the rest) if any dies.
+
+SIGTERM/SIGINT drain: the supervisor forwards the signal (each worker stops
+accepting and drains, addons/drain.py), /readyz turns 503, and it waits for
+them (up to --drain-timeout and a margin); a second signal is forwarded too,
+so every worker cuts what is left at once. The workers' stopping and
+stopped lines become one of each.
+
+The supervisor serves the one admin endpoint (addons/admin.py) for all
+workers; they bind none. Each worker writes its metrics to a private
+directory (PROMETHEUS_MULTIPROC_DIR, prometheus_client's multiprocess mode)
+and its readiness and policy facts as a JSON file there; /metrics sums the
+workers' values, /readyz is ready when every worker is and none is
+draining, /policy lists each worker's policy.
 """
 
 from __future__ import annotations
 
 import asyncio
+import glob
+import json
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
@@ -35,12 +53,114 @@ def enable_reuse_port() -> None:
     asyncio.start_server = start_server
 
 
-def supervise(count: int, worker_args: list[str]) -> int:
-    env = {**os.environ, REUSE_PORT_ENV: "1"}
+class WorkersEndpoints:
+    """The admin endpoints of `--workers N`, aggregated over the workers."""
+
+    def __init__(self, directory: str, children: list[subprocess.Popen], state: dict) -> None:
+        from sluice.addons.metrics import workers_registry
+
+        self.directory, self.children, self.state = directory, children, state
+        self.registry = workers_registry(directory, self.live_pids)
+
+    def live_pids(self) -> list[int]:
+        return [c.pid for c in self.children if c.poll() is None]
+
+    def statuses(self) -> list[dict]:
+        out = []
+        for pid in self.live_pids():
+            try:
+                with open(os.path.join(self.directory, f"status-{pid}.json"), encoding="utf-8") as f:
+                    out.append(json.load(f))
+            except (OSError, ValueError):
+                out.append({"pid": pid, "ready": False, "draining": False, "policy": None})
+        return out
+
+    def readyz(self):
+        from sluice.addons.admin import readyz
+
+        statuses = self.statuses()
+        draining = self.state["stopping"] or any(s["draining"] for s in statuses)
+        ready = (self.state["announced"] and len(statuses) == len(self.children) and all(s["ready"] for s in statuses))
+        return readyz(ready, draining)
+
+    def metrics(self):
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        return 200, CONTENT_TYPE_LATEST, generate_latest(self.registry)
+
+    def policy(self):
+        from sluice.addons.admin import json_response
+
+        workers = [{"pid": s["pid"], **(s["policy"] or {})} for s in self.statuses()]
+        hashes = {w.get("sha256") for w in workers}
+        first = dict(workers[0]) if workers else {}
+        first.pop("pid", None)
+        if len(hashes) != 1:
+            first["sha256"] = None  # the workers disagree (a reload under way): see each
+        return json_response({**first, "consistent": len(hashes) == 1, "workers": workers})
+
+
+def _admin_clash(admin: tuple[str, int], listen: tuple[str, int], modes: list[str]) -> bool:
+    from sluice.addons.admin import same_listener
+
+    addresses = [listen]
+    for spec in modes:  # NAME@PORT or NAME@HOST:PORT
+        _, at, where = spec.partition("@")
+        if at:
+            host, _, port = where.rpartition(":")
+            if port.isdigit():
+                addresses.append((host.strip("[]") or listen[0], int(port)))
+    return any(same_listener(admin, a) for a in addresses)
+
+
+_CUT = re.compile(r"\((\d+) cut by shutdown\)")
+
+
+def supervise(count: int, worker_args: list[str], admin: str = "off", drain_timeout: float = 30.0,
+              listen: tuple[str, int] = ("127.0.0.1", 0), modes: list[str] = ()) -> int:
+    from sluice.addons.admin import WORKER_DIR_ENV, AdminServer, admin_problem, parse_admin
+
+    try:
+        admin_address = parse_admin(admin)
+        if not 0 <= drain_timeout <= 86400:
+            raise ValueError("--drain-timeout takes a number of seconds from 0 to 86400")
+    except ValueError as e:
+        print(f"sluice: {e}", file=sys.stderr)
+        return 2
+    if admin_address is not None and _admin_clash(admin_address, listen, list(modes)):
+        print(f"sluice: --admin {admin_address[0]}:{admin_address[1]} is a proxy listening address; the admin "
+              "endpoint needs its own port: choose another with --admin HOST:PORT, or --admin off", file=sys.stderr)
+        return 2
+    directory = tempfile.mkdtemp(prefix="sluice-workers-")
+    children: list[subprocess.Popen] = []
+    state = {"announced": False, "stopping": False}
+    server = None
+    if admin_address is not None:
+        try:
+            server = AdminServer(*admin_address, WorkersEndpoints(directory, children, state))
+        except OSError as e:
+            shutil.rmtree(directory, ignore_errors=True)
+            print(f"sluice: {admin_problem(*admin_address, e)}", file=sys.stderr)
+            return 2
+    try:
+        return _supervise(count, worker_args, drain_timeout, directory, children, state, server,
+                          {**os.environ, REUSE_PORT_ENV: "1", WORKER_DIR_ENV: directory,
+                           "PROMETHEUS_MULTIPROC_DIR": directory})
+    finally:
+        if server is not None:
+            server.close()
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def _supervise(count: int, worker_args: list[str], drain_timeout: float, directory: str,
+               children: list[subprocess.Popen], state: dict, server, env: dict) -> int:
     command = [sys.executable, "-m", "sluice.cli", "proxy", *worker_args]
-    children = [subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True, bufsize=1) for _ in range(count)]
+    children += [subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True, bufsize=1) for _ in range(count)]
+    if server is not None:
+        server.start()
     ready = threading.Semaphore(0)
     first_ready: list[str] = []
+    cut: list[int] = []
 
     def relay(child: subprocess.Popen) -> None:
         for line in child.stderr:
@@ -48,20 +168,37 @@ def supervise(count: int, worker_args: list[str]) -> int:
                 child._ready = True  # type: ignore[attr-defined]
                 first_ready.append(line.strip())
                 ready.release()
+            elif line.startswith("sluice: stopping:"):
+                pass  # the supervisor says it once
+            elif line.startswith("sluice: stopped after "):
+                m = _CUT.search(line)
+                cut.append(int(m.group(1)) if m else 0)
             else:
                 sys.stderr.write(line)
                 sys.stderr.flush()
 
-    for child in children:
-        threading.Thread(target=relay, args=(child,), daemon=True).start()
+    relays = [threading.Thread(target=relay, args=(child,), daemon=True) for child in children]
+    for thread in relays:
+        thread.start()
 
     stopping = threading.Event()
+    signals = [0]
+    started_stopping = [0.0]
 
-    def stop(*_):
-        stopping.set()
+    def forward_stop() -> None:
         for child in children:
             if child.poll() is None:
                 child.terminate()
+
+    def stop(*_):
+        signals[0] += 1
+        if not stopping.is_set():
+            stopping.set()
+            state["stopping"] = True
+            started_stopping[0] = time.monotonic()
+            print(f"sluice: stopping: no new connections; waiting up to {drain_timeout:g}s for exchanges and "
+                  f"tunnels in flight [{len(children)} workers] (signal again to stop at once)", file=sys.stderr, flush=True)
+        forward_stop()  # a second signal reaches the workers too: they cut what is left at once
 
     def hup(*_):
         for child in children:
@@ -72,27 +209,36 @@ def supervise(count: int, worker_args: list[str]) -> int:
     signal.signal(signal.SIGINT, stop)
     signal.signal(signal.SIGHUP, hup)
 
-    announced = False
+    failed = False
     try:
         while True:
-            if not announced and all(getattr(c, "_ready", False) for c in children):
+            if not state["announced"] and all(getattr(c, "_ready", False) for c in children):
                 where = first_ready[0].removeprefix("sluice: ready on ")
                 print(f"sluice: ready on {where} [{count} workers]", file=sys.stderr, flush=True)
-                announced = True
+                state["announced"] = True
             dead = [c for c in children if c.poll() is not None]
-            if dead:
-                if not stopping.is_set():
-                    print(f"sluice: worker {dead[0].pid} exited with {dead[0].returncode}; stopping the others",
-                          file=sys.stderr, flush=True)
-                stop()
+            if len(dead) == len(children):
                 break
-            time.sleep(0.1)
+            if dead and not stopping.is_set():
+                print(f"sluice: worker {dead[0].pid} exited with {dead[0].returncode}; stopping the others",
+                      file=sys.stderr, flush=True)
+                failed = True
+                stopping.set()
+                state["stopping"] = True
+                started_stopping[0] = time.monotonic()
+                forward_stop()
+            if stopping.is_set() and time.monotonic() > started_stopping[0] + drain_timeout + 15:
+                break  # workers that outlive their own drain by far are killed below
+            time.sleep(0.05)
     finally:
-        deadline = time.monotonic() + 10
         for child in children:
-            try:
-                child.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
+            if child.poll() is None:
                 child.kill()
+            child.wait()
+        for thread in relays:
+            thread.join(timeout=2)
+    if stopping.is_set() and not failed and cut:
+        elapsed = time.monotonic() - started_stopping[0]
+        print(f"sluice: stopped after {elapsed:.1f}s ({sum(cut)} cut by shutdown) [{count} workers]", file=sys.stderr, flush=True)
     codes = [c.returncode for c in children]
-    return 0 if stopping.is_set() and all(code in (0, -signal.SIGTERM) for code in codes) else 1
+    return 0 if stopping.is_set() and not failed and all(code in (0, -signal.SIGTERM) for code in codes) else 1

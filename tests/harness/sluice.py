@@ -100,6 +100,7 @@ class SluiceProcess:
         self.host = "127.0.0.1"
         self.port = 0
         self.socks_port = 0
+        self.admin_port = 0
         self.ready_line: str | None = None
         self.proc: subprocess.Popen | None = None
         self._stderr_lines: list[str] = []
@@ -141,8 +142,15 @@ class SluiceProcess:
         ]
         if self.socks:
             cmd += ["--mode", "regular", "--mode", f"socks5@{self.socks_port}"]
+        if not any(a == "--admin" or a.startswith("--admin=") for a in self.extra_args):
+            # Its own admin port (the default, 127.0.0.1:9090, is one per machine).
+            cmd += ["--admin", f"{self.host}:{self.admin_port}"]
         cmd += list(self.extra_args)
         return cmd
+
+    @property
+    def admin_url(self) -> str:
+        return f"http://{self.host}:{self.admin_port}"
 
     def start(self) -> SluiceProcess:
         if isinstance(self.policy, str):
@@ -154,6 +162,9 @@ class SluiceProcess:
             while (p := free_port(self.host)) == self.port:
                 pass
             self.socks_port = p
+        while (p := free_port(self.host)) in (self.port, self.socks_port):
+            pass
+        self.admin_port = p
         env = clean_env()
         if self.home is not None:
             env["HOME"] = str(self.home)  # mitmproxy's confdir (~/.mitmproxy) lands here

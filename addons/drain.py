@@ -1,0 +1,131 @@
+"""Graceful drain: SIGTERM (or SIGINT) stops the proxy without cutting live work.
+
+On the first signal the proxy stops accepting (its listeners close; with
+`--workers` the kernel stops handing this process connections), /readyz
+says 503 `draining`, and the exchanges and tunnels in flight get up to
+`--drain-timeout` seconds to finish. Whatever is still open then is cut:
+an HTTP exchange whose response has not started is answered 503 with
+`Sluice-Reason: shutdown`, anything else is closed, and each gets its audit
+line with the reason `shutdown` (through the caps' own cut, so the line is
+written once, as for any cap). Idle keep-alive connections and intercepted
+tunnels with no request in flight are simply closed. Then the proxy exits 0.
+A second signal during the drain cuts everything at once.
+
+"In flight" is an HTTP exchange whose request head arrived and whose
+response has not ended (inside an intercepted tunnel too), or a tunnel
+carried as raw bytes (CONNECT not intercepted, SOCKS5, transparent).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+import time
+from typing import Any, Callable
+
+from mitmproxy import ctx, http
+
+from sluice.addons import connections
+from sluice.addons.verdict import verdict_of
+from sluice.policy.reasons import SHUTDOWN_ADVICE, Reason, Refusal
+
+logger = logging.getLogger("sluice.drain")
+POLL_SECONDS = 0.05
+
+
+class Drain:
+    def __init__(self, caps, tunnels: Callable[[], Any], on_drain: Callable[[], None] | None = None) -> None:
+        self.caps = caps
+        self.tunnels = tunnels  # the open tunnels' verdicts (the gate's table)
+        self.on_drain = on_drain  # told when the drain starts (Status: /readyz turns 503)
+        self.timeout = 30.0
+        self._flows: dict[str, dict[str, http.HTTPFlow]] = {}  # client id -> flow id -> exchange in flight
+        self._task: asyncio.Task | None = None
+        self._now = asyncio.Event()
+
+    # ---- what is in flight ---------------------------------------------------
+
+    def requestheaders(self, flow: http.HTTPFlow) -> None:
+        if flow.request.method != "CONNECT":
+            self._flows.setdefault(flow.client_conn.id, {})[flow.id] = flow
+
+    def response(self, flow: http.HTTPFlow) -> None:
+        self._done(flow)
+
+    def error(self, flow: http.HTTPFlow) -> None:
+        self._done(flow)
+
+    def _done(self, flow: http.HTTPFlow) -> None:
+        flows = self._flows.get(flow.client_conn.id)
+        if flows is not None:
+            flows.pop(flow.id, None)
+            if not flows:
+                del self._flows[flow.client_conn.id]
+
+    def client_disconnected(self, client) -> None:
+        self._flows.pop(client.id, None)
+
+    def _open_tunnels(self) -> list:
+        return [v for v in self.tunnels() if not v.logged and v.cap is None and v.client is not None and not v.intercept]
+
+    def in_flight(self) -> int:
+        return sum(map(len, self._flows.values())) + len(self._open_tunnels())
+
+    # ---- the signal ------------------------------------------------------------
+
+    def signal(self) -> None:
+        """SIGTERM/SIGINT: start draining; during a drain, cut everything now."""
+        if self._task is None:
+            self._task = asyncio.ensure_future(self._drain())
+        else:
+            self._now.set()
+
+    async def _drain(self) -> None:
+        started = time.monotonic()
+        try:
+            if self.on_drain is not None:
+                self.on_drain()
+            proxyserver = ctx.master.addons.get("proxyserver")
+            for instance in list(proxyserver.servers):
+                try:
+                    await instance.stop()
+                except Exception as e:  # a listener that will not close must not stop the drain
+                    logger.warning(f"sluice: closing the {instance.mode.description} failed: {e}")
+            waiting = self.in_flight()
+            print(f"sluice: stopping: no new connections; waiting up to {self.timeout:g}s for {waiting} "
+                  f"exchange(s) and tunnel(s) in flight (signal again to stop at once)", file=sys.stderr, flush=True)
+            deadline = started + self.timeout
+            while self.in_flight() and time.monotonic() < deadline and not self._now.is_set():
+                try:
+                    await asyncio.wait_for(self._now.wait(), timeout=POLL_SECONDS)
+                except TimeoutError:
+                    pass
+            cut = self.cut_all()
+            for handler in list(proxyserver.connections.values()):
+                connections.close_client(handler.client)
+            await asyncio.sleep(0)  # let the closed connections' hooks run
+            print(f"sluice: stopped after {time.monotonic() - started:.1f}s ({cut} cut by shutdown)",
+                  file=sys.stderr, flush=True)
+        except Exception:
+            logger.exception("sluice: the drain failed; stopping")
+        finally:
+            ctx.master.shutdown()
+
+    def cut_all(self) -> int:
+        """Cut what is still in flight, each with its `shutdown` audit line."""
+        refusal = Refusal(Reason.SHUTDOWN, f"the proxy shut down before this finished (drain timeout {self.timeout:g}s)",
+                          advice=SHUTDOWN_ADVICE)
+        cut = 0
+        for flow in [f for flows in list(self._flows.values()) for f in list(flows.values())]:
+            verdict = verdict_of(flow)
+            if verdict is not None and verdict.cap is None and not verdict.logged:
+                self.caps.cut(flow, refusal)
+                cut += 1
+            else:
+                connections.close_client(flow.client_conn)
+        self._flows.clear()
+        for verdict in self._open_tunnels():
+            self.caps.cut_tunnel(verdict.client, verdict, refusal)
+            cut += 1
+        return cut
