@@ -1,5 +1,10 @@
 """The decision microbenchmark: policy.decide.check_request followed by
-check_answers (the DNS answer already in hand), in µs per decision.
+check_answers (the DNS answer already in hand), in µs per decision. With
+limits on (the "limits" row), each decision is followed by the quota check a
+request gets (policy.quotas.check_request: transfer window, request-rate
+bucket and per-host bucket, in memory, reading the monotonic clock), with
+limits high enough that every request passes: the per-request cost of the
+limiter is that row less the default policy's.
 
 Pure computation, no sockets: runs anywhere (`python -m bench micro`).
 """
@@ -29,7 +34,26 @@ def _decide_once(check_request, check_answers, rules, dest, answers):
     return d
 
 
-def time_case(rules, dest, answers, *, iterations: int, rounds: int) -> dict:
+# Quotas for the "limits" row: every one on, none ever refusing.
+QUOTA_LIMITS = {"requests_per_second": 1e9, "burst": 10**9, "bytes_per_hour": 2**50,
+                "max_requests_per_host_per_minute": 10**9, "max_connections": 10**6, "max_tunnels": 10**6}
+
+
+def _quota_check(limits):
+    """The per-request quota check as addons/quotas.py makes it."""
+    from sluice.policy.quotas import HOUR, MemoryCounters, bytes_key, check_request, client_key
+
+    counters, client = MemoryCounters(), client_key("agents", "alice", "10.0.0.5")
+    counters.spend(bytes_key(client), 1000, None, HOUR, time.monotonic())  # a client that has used some
+
+    def check(host: str) -> None:
+        if check_request(counters, limits, client, host, time.monotonic()) is not None:
+            raise RuntimeError("the quota check refused")
+
+    return check
+
+
+def time_case(rules, dest, answers, *, iterations: int, rounds: int, quota=None) -> dict:
     from sluice.policy.decide import check_answers, check_request
 
     d = _decide_once(check_request, check_answers, rules, dest, answers)
@@ -43,10 +67,17 @@ def time_case(rules, dest, answers, *, iterations: int, rounds: int) -> dict:
     try:
         for _ in range(rounds):
             t0 = time.perf_counter_ns()
-            for _ in range(iterations):
-                d = check_request(rules, dest)
-                if d.needs_dns:
-                    d = check_answers(rules, d, answers)
+            if quota is None:
+                for _ in range(iterations):
+                    d = check_request(rules, dest)
+                    if d.needs_dns:
+                        d = check_answers(rules, d, answers)
+            else:
+                for _ in range(iterations):
+                    d = check_request(rules, dest)
+                    if d.needs_dns:
+                        d = check_answers(rules, d, answers)
+                    quota(dest.host)
             per_round.append((time.perf_counter_ns() - t0) / iterations / 1000.0)
     finally:
         if gc_was:
@@ -82,13 +113,35 @@ def run(policy_files: dict[str, Path] | None = None, *, quick: bool = False) -> 
             out[label] = {"cases": results, "load_seconds": round(load_s, 3),
                           "allow_entries": len(rules.allow) if rules.allow is not None else 0,
                           "deny_entries": len(rules.deny)}
+            if label == "default":
+                out["limits"] = _limits_on(rules, iterations, rounds, load_s)
     return out
+
+
+def _limits_on(rules, iterations: int, rounds: int, load_s: float) -> dict:
+    """The default policy with every quota on: decision + quota check."""
+    from dataclasses import replace
+
+    from sluice.policy.decide import Destination
+
+    limited = replace(rules, limits=replace(rules.limits, **QUOTA_LIMITS))
+    results = {}
+    for case, host, port, scheme, method, answers in CASES:
+        dest = Destination(host=host, port=port, scheme=scheme, method=method)
+        try:
+            results[case] = time_case(limited, dest, answers, iterations=iterations, rounds=rounds,
+                                      quota=_quota_check(limited.limits))
+        except Exception as e:  # reported, not fatal
+            results[case] = {"error": f"{type(e).__name__}: {e}"}
+    return {"cases": results, "load_seconds": round(load_s, 3),
+            "allow_entries": len(rules.allow) if rules.allow is not None else 0, "deny_entries": len(rules.deny)}
 
 
 def table(results: dict) -> list[str]:
     if not results or "error" in results:
         return [f"n/a ({(results or {}).get('error', 'not run')})"]
-    labels = {"default": "default policy", "large": "10k patterns + 1k CIDRs"}
+    labels = {"default": "default policy", "large": "10k patterns + 1k CIDRs",
+              "limits": "default policy, limits on (+ quota check)"}
     cases = [c[0] for c in CASES]
     lines = ["| Decision (check_request + check_answers) | " + " | ".join(cases) + " | policy load |",
              "|---|" + "---:|" * len(cases) + "---:|"]
