@@ -54,7 +54,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from harness import default_policy, free_port
 from harness.clients import Response, _Reader, read_response
-from relkit import FAULT_IP, KeepAlive, connect_tunnel, get, quiet_fds, rss_kib, scaled, settle_fds
+from relkit import FAULT_IP, KeepAlive, connect_tunnel, get, quiet_fds, rss_kib, scaled, settle_fds, wait_until
 
 pytestmark = pytest.mark.netns
 
@@ -91,7 +91,9 @@ class PipeOrigin:
     - anything else: `200 pipe ok <path>`, keep-alive (the body drained).
 
     Every request is recorded before it is answered (`paths`); `piped` maps
-    each connection's first path to the bytes it received after its 101.
+    each connection's first path to the bytes it received after its 101;
+    `open_pipes` holds the paths of pipes whose connection the proxy has not
+    closed yet (the echo runs until the proxy's FIN).
     """
 
     def __init__(self, ip: str, port: int):
@@ -102,6 +104,7 @@ class PipeOrigin:
         self.paths: list[str] = []
         self.piped: dict[str, int] = {}
         self.body_bytes = 0
+        self.open_pipes: set[str] = set()  # pipes (by path) whose connection the proxy has not closed yet
 
     def start(self) -> PipeOrigin:
         self.thread.start()
@@ -172,12 +175,21 @@ class PipeOrigin:
     async def _echo(self, target: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         with self._lock:
             self.piped[target] = 0
-        await writer.drain()
-        while chunk := await reader.read(65536):
-            with self._lock:
-                self.piped[target] += len(chunk)
-            writer.write(chunk)
+            self.open_pipes.add(target)
+        try:
             await writer.drain()
+            while chunk := await reader.read(65536):
+                with self._lock:
+                    self.piped[target] = self.piped.get(target, 0) + len(chunk)
+                writer.write(chunk)
+                await writer.drain()
+        finally:
+            with self._lock:
+                self.open_pipes.discard(target)
+
+    def still_open(self, paths) -> set[str]:
+        with self._lock:
+            return self.open_pipes & set(paths)
 
 
 @pytest.fixture(scope="module")
@@ -553,3 +565,255 @@ def test_a_half_closed_client_is_never_left_open_by_the_proxy(fuzz_proxy, canari
         finally:
             s.close()
     assert settle_fds(pid, base + FD_TOLERANCE) <= base + FD_TOLERANCE
+
+
+# ---------------------------------------------------------------- 2. upgrades under load
+
+PIPES = scaled(16, 48)  # concurrent WebSocket pipes per round
+PIPE_ROUNDS = scaled(3, 10)
+PIPE_PUSH = 4 * TUNNEL_CAP  # what each pipe tries to send: four times the cap
+PIPE_DEADLINE = 30.0  # seconds one pipe may take at most
+RSS_GROWTH_KIB = 24 * 1024
+UPGRADE_TRIES = scaled(600, 6000)
+
+
+def ws_request(origin: PipeOrigin, path: str) -> bytes:
+    key = base64.b64encode(random.randbytes(16)).decode()
+    return (f"GET http://{ORIGIN_NAME}:{origin.port}{path} HTTP/1.1\r\nHost: {ORIGIN_NAME}:{origin.port}\r\n"
+            f"Connection: Upgrade\r\nUpgrade: websocket\r\nSec-WebSocket-Version: 13\r\n"
+            f"Sec-WebSocket-Key: {key}\r\n\r\n").encode()
+
+
+def push_pipe(proxy, origin: PipeOrigin, path: str) -> dict:
+    """Open a WebSocket pipe and push PIPE_PUSH bytes through it while
+    reading the echo, until the proxy cuts it (or PIPE_PUSH went out and
+    the pipe then closes, or PIPE_DEADLINE passes)."""
+    s = socket.create_connection(proxy.address, timeout=15)
+    try:
+        s.sendall(ws_request(origin, path))
+        reader = _Reader(s)
+        head = reader.until(b"\r\n\r\n") or b""
+        result = {"port": s.getsockname()[1], "head": head[:40], "sent": 0, "echoed": len(reader.buf), "closed": False}
+        if not head.startswith(b"HTTP/1.1 101"):
+            return result
+        s.setblocking(False)
+        block = b"w" * 65536
+        deadline = time.monotonic() + PIPE_DEADLINE
+        while time.monotonic() < deadline:
+            want_write = [s] if result["sent"] < PIPE_PUSH else []
+            readable, writable, _ = select.select([s], want_write, [], 0.5)
+            if readable:
+                try:
+                    data = s.recv(65536)
+                except BlockingIOError:
+                    data = None
+                except OSError:
+                    result["closed"] = True
+                    break
+                if data == b"":
+                    result["closed"] = True
+                    break
+                result["echoed"] += len(data or b"")
+            if writable:
+                try:
+                    result["sent"] += s.send(block)
+                except BlockingIOError:
+                    pass
+                except OSError:
+                    result["closed"] = True
+                    break
+        return result
+    finally:
+        s.close()
+
+
+def run_threads(target, args_list: list[tuple], timeout: float) -> list:
+    results: list = [None] * len(args_list)
+
+    def run(i: int) -> None:
+        try:
+            results[i] = target(*args_list[i])
+        except Exception as e:  # noqa: BLE001
+            results[i] = e
+
+    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(len(args_list))]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + timeout
+    for t in threads:
+        t.join(max(0.1, deadline - time.monotonic()))
+    assert not any(t.is_alive() for t in threads), f"threads still running after {timeout}s"
+    errors = [r for r in results if isinstance(r, Exception)]
+    assert not errors, f"{len(errors)} client errors, e.g. {errors[:3]!r}"
+    return results
+
+
+def pipe_round(proxy, origin: PipeOrigin, name: str) -> list[dict]:
+    """PIPES pipes at once, each pushing over the cap: every one is cut at
+    the cap, on both sides, with one tunnel_too_large line at the cap."""
+    mark = proxy.audit_mark()
+    paths = [f"/ws/{name}-{i}" for i in range(PIPES)]
+    results = run_threads(push_pipe, [(proxy, origin, path) for path in paths], PIPE_DEADLINE + 30)
+    for path, r in zip(paths, results):
+        assert r["head"].startswith(b"HTTP/1.1 101"), f"{path}: {r}"
+        assert r["closed"], f"{path}: the pipe was never cut: {r}"
+        assert r["sent"] > TUNNEL_CAP, f"{path}: the pipe closed before it passed the cap: {r}"
+        assert r["echoed"] <= TUNNEL_CAP, f"{path}: more than the cap came back: {r}"
+    clients = {f"127.0.0.1:{r['port']}": path for path, r in zip(paths, results)}
+
+    def tunnel_lines() -> list[dict]:
+        return [e for e in proxy.audit()[mark:] if e.get("client") in clients and e.get("event") == "tunnel"]
+
+    deadline = time.monotonic() + 10
+    while len(tunnel_lines()) < PIPES and time.monotonic() < deadline:
+        time.sleep(0.05)
+    lines = tunnel_lines()
+    _, piped = origin.seen()  # after the lines: what the origin got can only have grown since
+    assert set(paths) <= set(piped), f"the origin never saw pipes {set(paths) - set(piped)}"
+    over = {p: piped[p] for p in paths if piped[p] > TUNNEL_CAP}
+    assert not over, f"the origin received more than the {TUNNEL_CAP}-byte cap: {over}"
+    per_client = Counter(e["client"] for e in lines)
+    assert set(per_client) == set(clients) and set(per_client.values()) == {1}, f"tunnel lines per pipe: {dict(per_client)}"
+    wrong = [e for e in lines if e["reason"] != "tunnel_too_large" or e["bytes_out"] != TUNNEL_CAP
+             or not 0 <= e["bytes_in"] <= min(TUNNEL_CAP, piped[clients[e["client"]]])]
+    assert not wrong, f"{len(wrong)} pipe lines not cut at the cap, e.g. {wrong[:3]}"
+    return results
+
+
+@pytest.mark.timeout(scaled(180, 900))
+def test_websocket_pipes_under_load_are_all_cut_at_the_cap(proxy, origin):
+    """PIPE_ROUNDS rounds of PIPES concurrent pipes, each pushing four times
+    `tunnel_max_bytes`. (That every cut pipe's sockets are freed is
+    test_cut_websocket_pipes_close_their_upstream_connections, xfail.)"""
+    pid = proxy.proc.pid
+    stderr_mark = proxy.stderr_mark()
+    run_threads(push_pipe, [(proxy, origin, f"/ws/warm-{i}") for i in range(4)], 60)
+    rss_before = rss_kib(pid)
+    started = time.monotonic()
+    with RssPeak(pid) as peak:
+        for round_ in range(PIPE_ROUNDS):
+            pipe_round(proxy, origin, str(round_))
+    elapsed = time.monotonic() - started
+    rss_after = rss_kib(pid)
+    print(f"\nwebsocket pipes: {PIPE_ROUNDS * PIPES} pipes ({PIPES} at a time, {PIPE_PUSH // KIB} KiB pushed each) "
+          f"cut at {TUNNEL_CAP // KIB} KiB in {elapsed:.1f}s; RSS {rss_before} -> peak {peak.peak} -> {rss_after} KiB")
+    assert peak.peak - rss_before < RSS_GROWTH_KIB, f"RSS peaked {peak.peak - rss_before} KiB over the baseline"
+    assert rss_after - rss_before < RSS_GROWTH_KIB
+    errors = proxy_errors(proxy, stderr_mark)
+    assert not errors, "the proxy logged errors:\n" + "\n".join(errors[:40])
+    still_serving(proxy)
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "BUG (mitmproxy 12.3.1, found by the front-door reliability suite): when a WebSocket pipe is cut at "
+    "tunnel_max_bytes, Caps.cut_tunnel -> connections.close_client cancels each connection's handler task; a "
+    "server connection whose task is then waiting for the server-event lock (the origin is still sending) "
+    "leaves ConnectionHandler.handle_connection without closing its writer, so the upstream socket stays "
+    "ESTABLISHED for good (seen: about half of the cut pipes, still open a minute later): one proxy fd and "
+    "one origin connection leaked per such pipe"))
+@pytest.mark.timeout(120)
+def test_cut_websocket_pipes_close_their_upstream_connections(proxy, origin):
+    pid = proxy.proc.pid
+    run_threads(push_pipe, [(proxy, origin, f"/ws/fd-warm-{i}") for i in range(4)], 60)
+    fds_before = quiet_fds(pid)
+    paths = [f"/ws/fds-{i}" for i in range(PIPES)]
+    pipe_round(proxy, origin, "fds")
+    closed = wait_until(lambda: not origin.still_open(paths), 5.0)
+    left = len(origin.still_open(paths))
+    fds_after = settle_fds(pid, fds_before + FD_TOLERANCE, 3.0)
+    print(f"\n{PIPES} pipes cut: {left} upstream connections still open 5s later; fds {fds_before} -> {fds_after}")
+    assert closed, f"{left} of {PIPES} cut pipes' upstream connections were still open 5s after the cut"
+    assert fds_after <= fds_before + FD_TOLERANCE, f"{fds_after} fds after the pipes were cut, baseline {fds_before}"
+
+
+UPGRADE_TOKENS = ["h2c", "H2C", "HTTP/2.0", "TLS/1.2", "IRC/6.9", "websocket, h2c", "h2c, websocket", "WebSocket2",
+                  "websockets", "websocket/13", "foo", "SHTTP/1.3"]
+TCHARS = "!#$%&'*+-.^_`|~0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ/"
+
+
+def random_token(rng: random.Random) -> str:
+    """An Upgrade value that asks for something besides (or other than) websocket."""
+    while True:
+        if rng.random() < 0.4:
+            token = rng.choice(UPGRADE_TOKENS)
+        else:
+            token = "".join(rng.choice(TCHARS) for _ in range(rng.randint(1, 16)))
+            if rng.random() < 0.3:
+                token = rng.choice(["websocket, ", "", "WebSocket ,"]) + token
+        asked = {t.strip().lower() for t in token.split(",") if t.strip()}
+        if asked and asked != {"websocket"}:
+            return token
+
+
+def refused_upgrade(proxy, origin: PipeOrigin, way: str, token: str, i: int) -> tuple[str, Response, bytes]:
+    """One upgrade that must be refused; returns (path, the answer, what came after it)."""
+    o = f"{ORIGIN_NAME}:{origin.port}"
+    if way == "asked":  # the client asks for something else: refused before the origin sees it
+        path = f"/asked/{i}"
+        head = f"GET http://{o}{path} HTTP/1.1\r\nHost: {o}\r\nConnection: Upgrade\r\nUpgrade: {token}\r\n\r\n"
+    elif way == "unasked":  # a plain request; the origin switches protocols anyway
+        path = f"/switch/{token.replace(' ', '').replace(',', '+')}-{i}"
+        head = f"GET http://{o}{path} HTTP/1.1\r\nHost: {o}\r\n\r\n"
+    elif way == "unasked-websocket":  # the origin answers a WebSocket 101 that nobody asked for
+        path = f"/switch/websocket?{i}"
+        head = f"GET http://{o}{path} HTTP/1.1\r\nHost: {o}\r\n\r\n"
+    else:  # "other": the client asks for WebSocket, the origin switches to something else
+        path = f"/switch/{token.replace(' ', '').replace(',', '+')}-{i}"
+        key = base64.b64encode(random.randbytes(16)).decode()
+        head = (f"GET http://{o}{path} HTTP/1.1\r\nHost: {o}\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n"
+                f"Sec-WebSocket-Version: 13\r\nSec-WebSocket-Key: {key}\r\n\r\n")
+    with socket.create_connection(proxy.address, timeout=10) as s:
+        s.sendall(head.encode())
+        reader = _Reader(s)
+        answer = read_response(reader)
+        after = reader.buf
+        try:
+            # Bytes of the other protocol: never piped. Where the refusal
+            # kept the connection (the client asked), they are read as the
+            # next request head: mitmproxy's 400, and the connection closes.
+            s.sendall(b"piped? " * 1000 + b"\r\n\r\n")
+            after += reader.rest()
+        except OSError:
+            pass  # closed: nothing more to read
+    return path, answer, after
+
+
+@pytest.mark.timeout(scaled(120, 900))
+def test_upgrades_other_than_websocket_are_always_refused(proxy, origin):
+    """UPGRADE_TRIES upgrades from 8 clients at once: asked for something
+    other than websocket (or besides it), or a 101 the client did not ask
+    for (to another protocol, or a WebSocket nobody asked for): every one
+    403 upgrade_refused with its audit line, nothing piped either way."""
+    rng = random.Random(8)
+    ways = ["asked", "unasked", "unasked-websocket", "other"]
+    plan = [(rng.choice(ways), random_token(rng), i) for i in range(UPGRADE_TRIES)]
+    mark = proxy.audit_mark()
+    stderr_mark = proxy.stderr_mark()
+    chunks = [plan[n::8] for n in range(8)]
+
+    def client(items):
+        return [refused_upgrade(proxy, origin, *item) for item in items]
+
+    started = time.monotonic()
+    results = [r for part in run_threads(client, [(c,) for c in chunks], 120) for r in part]
+    elapsed = time.monotonic() - started
+    wrong = [(path, a) for path, a, _ in results if (a.status, a.sluice_reason) != (403, "upgrade_refused")]
+    assert not wrong, f"{len(wrong)} upgrades not refused, e.g. {wrong[:3]}"
+    for (way, _, _), (path, _, after) in zip([item for c in chunks for item in c], results):
+        # Nothing came back through a pipe. A refused request keeps its
+        # connection: the other protocol's bytes are read as a request head
+        # (mitmproxy's 400); a refused 101 closes it: nothing more at all.
+        statuses = [a.status for a in http1_answers(after)]
+        assert statuses == ([400] if way == "asked" else []), f"{way} {path}: after the refusal came {after[:200]!r}"
+    paths, piped = origin.seen()
+    asked = [p for p in paths if p.startswith("/asked/")]
+    assert not asked, f"upgrade requests the proxy refuses reached the origin: {asked[:5]}"
+    leaked = {p: n for p, n in piped.items() if n and p.startswith("/switch/")}
+    assert not leaked, f"bytes were piped after a refused 101: {leaked}"
+    assert sum(1 for p in piped if p.startswith("/switch/")) == sum(1 for w, _, _ in plan if w != "asked")
+    lines = [e for e in proxy.audit()[mark:] if e.get("reason") == "upgrade_refused"]
+    assert len(lines) == len(plan), f"{len(plan)} refused upgrades, {len(lines)} upgrade_refused lines"
+    print(f"\nrefused upgrades: {len(plan)} ({dict(Counter(w for w, _, _ in plan))}) in {elapsed:.1f}s")
+    errors = proxy_errors(proxy, stderr_mark)
+    assert not errors, "the proxy logged errors:\n" + "\n".join(errors[:40])
+    still_serving(proxy)
