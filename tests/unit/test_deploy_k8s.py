@@ -23,12 +23,22 @@ KUBERNETES_VERSION = "1.30"  # the oldest release these manifests are checked ag
 
 
 def documents() -> dict[tuple[str, str, str], dict]:
-    """(kind, namespace, name) -> manifest, over every file the kustomization lists."""
+    """(kind, namespace, name) -> manifest, over every file the kustomization
+    lists and the ConfigMaps its configMapGenerator makes (as kustomize does,
+    with disableNameSuffixHash)."""
     found = {}
     for name in kustomization()["resources"]:
         for doc in yaml.safe_load_all((K8S / name).read_text()):
             if doc:
                 found[(doc["kind"], doc["metadata"].get("namespace", ""), doc["metadata"]["name"])] = doc
+    options = kustomization().get("generatorOptions", {})
+    assert options.get("disableNameSuffixHash") is True, "a hashed ConfigMap name restarts pods instead of hot reload"
+    for generator in kustomization().get("configMapGenerator", []):
+        data = {Path(f).name: (K8S / f).read_text() for f in generator["files"]}
+        doc = {"apiVersion": "v1", "kind": "ConfigMap", "data": data,
+               "metadata": {"name": generator["name"], "namespace": generator["namespace"],
+                            "labels": options.get("labels", {})}}
+        found[("ConfigMap", generator["namespace"], generator["name"])] = doc
     return found
 
 
@@ -56,7 +66,9 @@ def arg(container: dict, flag: str, default: str | None = None) -> str | None:
 
 def test_the_kustomization_lists_every_manifest():
     listed = set(kustomization()["resources"])
-    on_disk = {p.name for p in K8S.glob("*.yaml")} - {"kustomization.yaml"}
+    generated = {f for g in kustomization().get("configMapGenerator", []) for f in g["files"]}
+    assert generated == {"policy.yaml"}
+    on_disk = {p.name for p in K8S.glob("*.yaml")} - {"kustomization.yaml"} - generated
     assert listed == on_disk
 
 
