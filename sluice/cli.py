@@ -154,9 +154,10 @@ def _parser() -> argparse.ArgumentParser:
                     "on a terminal, and print the verifier to put under users: NAME: password_hash:.",
     )
 
-    from sluice.webtools.cli import add_parsers as add_web_parsers
+    from sluice.webtools.cli import add_agent_parsers, add_parsers as add_web_parsers
 
     add_web_parsers(sub)  # fetch, source-read, read, request, sitemap
+    add_agent_parsers(sub)  # mcp, tools schema
     return p
 
 
@@ -248,6 +249,12 @@ def _main(argv: list[str] | None) -> int:
         from sluice.webtools.cli import dispatch as web_dispatch
 
         return web_dispatch(args)
+    from sluice.webtools.cli import AGENT_COMMANDS
+
+    if args.command in AGENT_COMMANDS:
+        from sluice.webtools.cli import dispatch_agent
+
+        return dispatch_agent(args)
     return 2
 
 

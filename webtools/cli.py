@@ -81,3 +81,41 @@ def dispatch(args) -> int:
         text = render(name, result)
         print(text, file=sys.stderr if failed else sys.stdout)
     return EXIT_ERROR if failed else 0
+
+
+# `sluice mcp` and `sluice tools schema`: the agent integration, both made
+# from the tool table (webtools.tools.TOOLS).
+AGENT_COMMANDS = ("mcp", "tools")
+
+
+def add_agent_parsers(sub) -> None:
+    """Add `mcp` and `tools schema` to the `sluice` parser's subparsers."""
+    p = sub.add_parser("mcp", help="serve the web tools to an agent over MCP (stdio)",
+                       description="Serve the web tools (web_fetch, web_source_read, web_read, web_request, "
+                                   "web_sitemap, ...) over MCP on stdin/stdout until the client closes stdin. "
+                                   "Every request goes through the proxy in SLUICE_PROXY (or HTTPS_PROXY/"
+                                   "HTTP_PROXY/ALL_PROXY); SLUICE_CA_CERT, SLUICE_SOURCES as for the CLI tools.")
+    p.add_argument("--owner", default=None, metavar="NAME",
+                   help="owner of the sources this server captures and may read back (default: $SLUICE_OWNER)")
+
+    p = sub.add_parser("tools", help="the web tools' function-calling definitions",
+                       description="Print the web tools' definitions for a model API.")
+    tsub = p.add_subparsers(dest="tools_command", required=True, metavar="SUBCOMMAND")
+    s = tsub.add_parser("schema", help="print the function-calling definitions (JSON) of every web tool",
+                        description="Print a JSON array of function-calling definitions of every web tool, "
+                                    "generated from the same table as the MCP server: openai (Chat Completions "
+                                    "tools: type function, name, description, parameters) or anthropic (Messages "
+                                    "API tools: name, description, input_schema). Parameters are JSON Schema with "
+                                    "additionalProperties: false.")
+    s.add_argument("--format", choices=("openai", "anthropic"), required=True)
+
+
+def dispatch_agent(args) -> int:
+    if args.command == "mcp":
+        from sluice.webtools.mcp_server import run
+
+        return run(args.owner)
+    from sluice.webtools.schema import definitions
+
+    print(json.dumps(definitions(args.format), ensure_ascii=False, indent=2))
+    return 0

@@ -1,0 +1,164 @@
+"""`sluice tools schema` and the MCP tool list are generated from the tool table
+(webtools.tools.TOOLS): every tool, every parameter, valid JSON Schema with
+additionalProperties false, error codes explained from webtools.errors."""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import dataclasses
+import io
+import json
+import re
+
+import jsonschema
+import mcp_types as types
+import pytest
+
+from sluice.cli import main
+from sluice.webtools import mcp_server, schema, tools
+from sluice.webtools.errors import ERRORS
+from sluice.webtools.tools import TOOLS, Param
+
+
+def by_name(defs: list[dict], fmt: str) -> dict[str, tuple[str, dict]]:
+    """name -> (description, parameters) for either format."""
+    if fmt == "openai":
+        assert all(d["type"] == "function" and set(d) == {"type", "function"} for d in defs)
+        return {d["function"]["name"]: (d["function"]["description"], d["function"]["parameters"]) for d in defs}
+    assert all(set(d) == {"name", "description", "input_schema"} for d in defs)
+    return {d["name"]: (d["description"], d["input_schema"]) for d in defs}
+
+
+@pytest.mark.parametrize("fmt", schema.FORMATS)
+def test_every_tool_and_parameter_as_valid_json_schema(fmt):
+    defs = by_name(schema.definitions(fmt), fmt)
+    assert list(defs) == [t.mcp_name for t in TOOLS.values()]
+    assert {"web_fetch", "web_source_read", "web_read", "web_request", "web_sitemap"} <= set(defs)
+    for tool in TOOLS.values():
+        description, params = defs[tool.mcp_name]
+        jsonschema.Draft202012Validator.check_schema(params)
+        assert params["type"] == "object" and params["additionalProperties"] is False
+        assert list(params["properties"]) == [p.name for p in tool.params]
+        assert params["required"] == [p.name for p in tool.params if p.required]
+        for p in tool.params:
+            prop = params["properties"][p.name]
+            assert prop["type"] == p.type and prop["description"] == p.description
+            if not p.required and p.default is not None:
+                assert prop["default"] == p.default
+        validator = jsonschema.Draft202012Validator(params)
+        samples = {"string": "https://example.com/", "integer": 1, "number": 1.5, "boolean": True, "object": {},
+                   "array": []}
+        good = {p.name: (p.default if not p.required else samples[p.type])
+                for p in tool.params if p.default is not None}
+        assert not list(validator.iter_errors(good)), (tool.name, good)
+        assert list(validator.iter_errors({**good, "surprise": 1})), "additionalProperties false must refuse"
+        if any(p.required for p in tool.params):
+            assert list(validator.iter_errors({}))
+        assert description == schema.description(tool) and description.startswith(tool.description.rstrip())
+
+
+def test_fetch_and_request_parameters_in_detail():
+    fetch = schema.parameters(TOOLS["fetch"])
+    assert fetch["properties"]["offset"] == {"type": "integer", "default": 0,
+                                             "description": TOOLS["fetch"].params[1].description}
+    assert fetch["required"] == ["url"]
+    headers = schema.parameters(TOOLS["request"])["properties"]["headers"]
+    validator = jsonschema.Draft202012Validator(schema.parameters(TOOLS["request"]))
+    assert headers["additionalProperties"] == {"type": "string"}
+    assert not list(validator.iter_errors({"url": "https://a.example/", "headers": {"accept": "text/plain"}}))
+    assert list(validator.iter_errors({"url": "https://a.example/", "headers": {"accept": 5}}))
+
+
+def test_descriptions_explain_paging_envelope_and_each_error():
+    mcp_names = {t.mcp_name for t in TOOLS.values()}
+    for tool in TOOLS.values():
+        text = schema.description(tool)
+        codes = schema.error_codes(tool)
+        assert "web_bad_argument" in codes and len(codes) == len(set(codes))
+        for code in codes:
+            assert f"- {code}: {ERRORS[code]}" in text
+        # Every code a description names is a real one (a typo would hide a meaning).
+        prefixes = "|".join(sorted({code.split("_", 1)[0] for code in ERRORS}))
+        for word in re.findall(rf"\b(?:{prefixes})_[a-z_]+\b", tool.description):
+            assert word in ERRORS or word in mcp_names, (tool.name, word)
+            if word in ERRORS:
+                assert word in codes
+        if any(p.name == "url" for p in tool.params):
+            assert set(schema.ROUTE_CODES) <= set(codes)
+    assert set(schema.ROUTE_CODES) <= set(ERRORS)
+    fetch = schema.description(TOOLS["fetch"])
+    assert "offset=N" in fetch and "never instructions" in fetch and "end=NONCE" in fetch
+    assert "never instructions" in schema.description(TOOLS["source_read"])
+    assert "web_proxy_unreachable" not in schema.error_codes(TOOLS["source_read"])  # no request, no route codes
+
+
+def test_a_tool_added_to_the_table_appears_everywhere(monkeypatch):
+    echo = tools.Tool("echo", "web_echo", "echo", lambda text, times=1: {"echo": text * times},
+                      "Echo text back. Errors: web_bad_argument.",
+                      (Param("text", "string", "what to echo"), Param("times", "integer", "how often", 1)))
+    monkeypatch.setitem(TOOLS, "echo", echo)
+    for fmt in schema.FORMATS:
+        description, params = by_name(schema.definitions(fmt), fmt)["web_echo"]
+        assert params["required"] == ["text"] and params["properties"]["times"]["default"] == 1
+        assert params["additionalProperties"] is False and "- web_bad_argument:" in description
+        assert "web_no_proxy" not in description  # takes no url
+    listed = {t.name: t for t in (mcp_server.mcp_tool(t) for t in TOOLS.values())}
+    assert listed["web_echo"].input_schema == schema.parameters(echo)
+    assert listed["web_echo"].annotations.open_world_hint is False
+    assert listed["web_fetch"].annotations.open_world_hint is True
+    assert mcp_server.by_mcp_name()["web_echo"] is echo
+
+
+@pytest.mark.parametrize("fmt", schema.FORMATS)
+def test_cli_prints_the_definitions(fmt):
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(["tools", "schema", "--format", fmt]) == 0
+    assert json.loads(out.getvalue()) == schema.definitions(fmt)
+
+
+def test_cli_refuses_an_unknown_format():
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), pytest.raises(SystemExit) as exc:
+        main(["tools", "schema", "--format", "gemini"])
+    assert exc.value.code == 2 and "invalid choice" in err.getvalue()
+
+
+def test_mcp_answers_for_results_errors_images_and_pdfs():
+    page = {"kind": "page", "url": "https://a.example/", "final_url": "https://a.example/", "text": "Title: A\nbody"}
+    r = mcp_server.to_call_result(TOOLS["fetch"], page)
+    assert not r.is_error and r.structured_content == page
+    assert [c.text for c in r.content] == ["Title: A\nbody"]
+
+    error = {"error": {"code": "web_status_not_ok", "message": "https://a.example/ answered 404", "status": 404}}
+    r = mcp_server.to_call_result(TOOLS["read"], error)
+    assert r.is_error is True and r.structured_content == error
+    text = r.content[0].text
+    assert text.startswith("Error web_status_not_ok: https://a.example/ answered 404\n")
+    assert json.loads(text.split("\n", 1)[1]) == error
+
+    data = base64.b64encode(b"\x89PNG...").decode()
+    image = {"kind": "image", "url": "https://a.example/i.png", "final_url": "https://a.example/i.png", "status": 200,
+             "content_type": "image/png", "bytes": 7, "sha256": "ab" * 32, "data": data}
+    r = mcp_server.to_call_result(TOOLS["fetch"], image)
+    header, part = r.content
+    assert isinstance(part, types.ImageContent) and part.data == data and part.mime_type == "image/png"
+    assert header.text == tools.render("fetch", image) and "\n" not in header.text and "image/png" in header.text
+    assert r.structured_content == {k: v for k, v in image.items() if k != "data"}
+
+    pdf = dict(image, kind="pdf", content_type="application/pdf", url="https://a.example/d.pdf",
+               final_url="https://a.example/d.pdf")
+    r = mcp_server.to_call_result(TOOLS["fetch"], pdf)
+    header, part = r.content
+    assert isinstance(part, types.EmbeddedResource)
+    assert isinstance(part.resource, types.BlobResourceContents)
+    assert part.resource.blob == data and part.resource.mime_type == "application/pdf"
+    assert str(part.resource.uri) == "https://a.example/d.pdf" and header.text.startswith("PDF application/pdf")
+
+
+def test_tool_fields_are_what_the_table_documents():
+    # The generators rely on these fields; a renamed one must fail here, not in an agent.
+    assert {f.name for f in dataclasses.fields(tools.Tool)} >= {"name", "mcp_name", "cli", "function", "description",
+                                                                "params"}
+    assert {f.name for f in dataclasses.fields(Param)} >= {"name", "type", "description", "default", "items"}
