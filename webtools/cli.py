@@ -1,10 +1,10 @@
-"""`sluice fetch | source-read | read | request | sitemap ... [--json]`.
+"""`sluice fetch | source-read | read | request | sitemap | search ... [--json]`.
 
 Each prints the model-facing text (default) or the result dict (`--json`),
 and exits 1 on an error (the message, or the error dict with --json). The
 environment configures them as for any caller: SLUICE_PROXY (or
 HTTPS_PROXY/HTTP_PROXY/ALL_PROXY), SLUICE_CA_CERT, SLUICE_OWNER,
-SLUICE_SOURCES.
+SLUICE_SOURCES; search also SLUICE_SEARCH_PROVIDER and the providers' keys/URLs.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import argparse
 import json
 import sys
 
-COMMANDS = ("fetch", "source-read", "read", "request", "sitemap")
+COMMANDS = ("fetch", "source-read", "read", "request", "sitemap", "search")
 EXIT_ERROR = 1
 
 
@@ -53,6 +53,19 @@ def add_parsers(sub) -> None:
     p.add_argument("url", metavar="URL")
     common(p)
 
+    p = sub.add_parser("search", help="web tool: search the web through the proxy (Serper, Brave, Tavily, Firecrawl, "
+                                      "SearXNG, DuckDuckGo)",
+                       description="Search the web through the Sluice proxy. The provider is --provider, else "
+                                   "SLUICE_SEARCH_PROVIDER, else the first configured of SERPER_API_KEY, "
+                                   "BRAVE_SEARCH_API_KEY, TAVILY_API_KEY, FIRECRAWL_API_KEY/FIRECRAWL_URL, SEARXNG_URL, "
+                                   "else DuckDuckGo. Keys come from the environment (or VAR_FILE), never from "
+                                   "arguments. Exit 1 on an error.")
+    p.add_argument("query", metavar="QUERY", nargs="+", help="the words to search for")
+    p.add_argument("--count", type=int, default=10, metavar="N", help="how many results, 1 to 20 (default 10)")
+    p.add_argument("--provider", default=None, metavar="P",
+                   help="serper, brave, tavily, firecrawl, searxng, duckduckgo or none")
+    common(p)
+
 
 def dispatch(args) -> int:
     from sluice.webtools.tools import TOOLS, render
@@ -71,6 +84,8 @@ def dispatch(args) -> int:
                 return 2
             headers[key.strip()] = value.strip()
         name, kwargs = "request", {"url": args.url, "method": args.method, "headers": headers}
+    elif command == "search":
+        name, kwargs = "search", {"query": " ".join(args.query), "count": args.count, "provider": args.provider}
     else:
         name, kwargs = command, {"url": args.url}
     result = TOOLS[name].function(**kwargs)

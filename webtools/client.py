@@ -389,11 +389,14 @@ class WebClient:
         return client
 
     def get(self, url: str, *, classify: Classifier, headers: dict[str, str] | None = None,
-            credentials: dict[str, str] | None = None, check: bool = True) -> Fetched:
+            credentials: dict[str, str] | None = None, check: bool = True, method: str = "GET",
+            content: bytes | None = None) -> Fetched:
         """GET `url` through the proxy, following redirects (each checked),
         and read the body as `classify` plans it. `credentials` go only to
         the URL's own origin; `check=False` skips the first-line check (URLs
-        the operator configured)."""
+        the operator configured). `method`/`content` send another method
+        with a body (search providers' POST APIs): a 307/308 repeats it, any
+        other redirect becomes a GET without the body."""
         deadline = time.monotonic() + self.limits.timeout
         proxy_for("https" if isinstance(url, str) and url.strip().lower().startswith("https:") else "http", self.env)
         current = check_url(url) if check else url
@@ -403,10 +406,12 @@ class WebClient:
             send = dict(headers or {})
             if credentials and origin_of(current) == start_origin:
                 send.update(credentials)
-            result = self._one(url, current, send, classify, deadline)
+            result = self._one(url, current, send, classify, deadline, method, content)
             if isinstance(result, Fetched):
                 return result
-            location = result
+            location, status = result
+            if status not in (307, 308):
+                method, content = "GET", None
             hops += 1
             try:
                 target = resolve_redirect(current, location)
@@ -423,14 +428,16 @@ class WebClient:
                     raise blocked(refusal, by="client", url=target.url)
             current = target.url
 
-    def _one(self, url: str, current: str, headers: dict, classify: Classifier, deadline: float) -> Fetched | str:
+    def _one(self, url: str, current: str, headers: dict, classify: Classifier, deadline: float,
+             method: str = "GET", content: bytes | None = None) -> Fetched | tuple[str, int]:
         scheme = current.split(":", 1)[0].lower()
         client = self._client(proxy_for(scheme, self.env))
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             raise _timeout(url, self.limits.timeout)
         try:
-            request = client.build_request("GET", current, headers=headers, timeout=httpx.Timeout(remaining))
+            request = client.build_request(method, current, headers=headers, content=content,
+                                           timeout=httpx.Timeout(remaining))
             response = client.send(request, stream=True)
         except WebError:
             raise
@@ -449,7 +456,7 @@ class WebClient:
         finally:
             response.close()
 
-    def _answer(self, url, current, response: httpx.Response, classify, deadline) -> Fetched | str:
+    def _answer(self, url, current, response: httpx.Response, classify, deadline) -> Fetched | tuple[str, int]:
         status = response.status_code
         reason = response.headers.get("sluice-reason")
         if status == 407:
@@ -461,7 +468,7 @@ class WebClient:
             message = _short_body(response, deadline) or f"the proxy could not complete the request for {current}"
             raise WebError("web_unreachable", message, status=status, url=current)
         if status in REDIRECT_STATUSES and response.headers.get("location"):
-            return response.headers["location"]
+            return response.headers["location"], status
         content_type = response.headers.get("content-type", "")
         mime, charset = media_type(content_type)
         fetched = Fetched(url, current, status, content_type, mime, charset, response.headers)

@@ -38,6 +38,15 @@ ERRORS: dict[str, str] = {
     "web_not_text": "request returns text and JSON bodies only (the type is named)",
     "web_body_too_large": "the body is longer than one result (`bytes`, `sha256`); no body is returned",
     "web_not_sitemap": "the document is not an XML sitemap (urlset) or sitemap index",
+    "search_bad_query": "the search query is empty (or longer than 400 characters)",
+    "search_unknown_provider": "no search provider has this name (`providers` lists them)",
+    "search_not_configured": "search is off (`SLUICE_SEARCH_PROVIDER=none`), or the chosen provider lacks its URL, or its key file cannot be read; fetch still works",
+    "search_bad_key": "the provider refused the key (Serper 403, Brave 422, Tavily/Firecrawl 401); the message says whether a key was sent at all (none: neither the tool nor the proxy supplied one)",
+    "search_rate_limited": "the provider answered 429 (`retry_after` seconds when it said)",
+    "search_provider_error": "the provider failed: an HTTP error (`status`, `provider_message`: its own words, e.g. Serper's \"Not enough credits\"), SearXNG's 403 with JSON output disabled, or a body that is not its API's answer; never an empty result",
+    "search_blocked": "DuckDuckGo answered with its bot challenge (202) or refused (403) instead of results",
+    "search_unreachable": "the provider could not be reached: Sluice refused its address (`reason`, `by`; a private address must be opened in the policy's private_networks) or the connection failed (`cause`)",
+    "search_timeout": "the provider did not answer within the tools' deadline",
 }
 
 

@@ -73,7 +73,7 @@ def test_envelope_nonce_fresh_unguessable_and_unclosable():
 
 
 def test_error_codes_and_readme_table():
-    assert all(re.fullmatch(r"web_[a-z_]+", c) for c in ERRORS)
+    assert all(re.fullmatch(r"(web|search)_[a-z_]+", c) for c in ERRORS)
     with pytest.raises(ValueError):
         WebError("web_nonsense", "x")
     e = WebError("web_blocked", "no", reason="address_not_public").as_dict()
@@ -83,7 +83,7 @@ def test_error_codes_and_readme_table():
     # Every code the tools can raise is in the table.
     raised = set()
     for path in (ROOT / "webtools").glob("*.py"):
-        raised |= set(re.findall(r'"(web_[a-z_]+)"', path.read_text()))
+        raised |= set(re.findall(r'"((?:web|search)_[a-z_]+)"', path.read_text()))
     raised -= {"web_fetch", "web_source_read", "web_read", "web_request", "web_sitemap", "web_search"}
     assert raised <= set(ERRORS), raised - set(ERRORS)
 
@@ -229,10 +229,10 @@ def test_source_read_from_the_store_only():
 
 
 def test_tool_table_schemas_and_call():
-    assert set(TOOLS) == {"fetch", "source_read", "read", "request", "sitemap"}
+    assert set(TOOLS) == {"fetch", "source_read", "read", "request", "sitemap", "search"}
     for tool in TOOLS.values():
         schema = json_schema(tool)
-        assert schema["additionalProperties"] is False and "url" in schema["properties"] or tool.name == "source_read"
+        assert schema["additionalProperties"] is False and "url" in schema["properties"] or tool.name in ("source_read", "search")
         assert tool.mcp_name == "web_" + tool.name and len(tool.description) > 100
     assert call("fetch", {"url": "https://e.com/", "bogus": 1})["error"]["code"] == "web_bad_argument"
     assert call("read", {})["error"]["code"] == "web_bad_argument"
