@@ -35,6 +35,7 @@ import yaml
 
 from sluice.addons.resolver import DnsFailure, PinnedResolver, Resolution, StaticResolver, decide
 from sluice.policy.clients import match_client
+from sluice.policy.credentials import Credential, apply_to
 from sluice.policy.decide import Decision, Destination, intercepts
 from sluice.policy.hosts import HostError, IPHost, internal_name, parse_host
 from sluice.policy.loader import (
@@ -149,6 +150,11 @@ def _rules_lines(rules: Rules, indent: str) -> list[str]:
         out.append(f"{indent}no private networks opened (public internet only)")
     if rules.strip_request_headers:
         out.append(f"{indent}strips request headers: {', '.join(sorted(rules.strip_request_headers, key=str.lower))}")
+    for entry in rules.credentials:
+        if entry.headers:  # names and sources only: a value is never shown
+            sources = ", ".join(f"{h.name} ({h.source})" for h in entry.headers)
+            clear = "; also over plain http" if entry.allow_plain_http else ""
+            out.append(f"{indent}sets credentials {sources} on {', '.join(entry.hosts_text)} ({entry.origin}{clear})")
     out.append(f"{indent}{_limits_line(rules.limits)}")
     out += [f"{indent}{line}" for line in _unreachable(rules)]
     return out
@@ -429,6 +435,7 @@ class Judgement:
     note: str  # one or two sentences saying what the proxy sees and decides
     authority: str  # host:port as the proxy sees it
     method: str  # the method the URL was asked with
+    credential: Credential | None = None  # the credentials entry whose headers the proxy would set
 
 
 def _intercepted(rules: Rules, host: str) -> bool:
@@ -461,8 +468,9 @@ async def judge(policy: Policy, client: str | None, dest: Destination, resolver)
 
     if scheme != "https" and method != "CONNECT":
         decision = refused or await decide(rules, dest, resolver)
+        decision, credential = _credential(rules, decision, dest.host, scheme or "http")
         note = f"request: the proxy sees this {method} request whole and decides it with its method"
-        return Judgement(decision, profile, "request", note, authority, method)
+        return Judgement(decision, profile, "request", note, authority, method, credential)
 
     intercept = refusal is None and _intercepted(rules, dest.host)
     # A CONNECT names host:port only: no scheme, no path, no user:password@.
@@ -487,9 +495,22 @@ async def judge(policy: Policy, client: str | None, dest: Destination, resolver)
     if inner.allowed:
         # Requests inside stay on the address the tunnel was validated and pinned with.
         inner = replace(inner, address=decision.address, addresses=decision.addresses)
+    inner, credential = _credential(rules, inner, dest.host, "https")
     note = (f"{INTERCEPTED}: CONNECT {authority} is allowed without a method check; Sluice terminates TLS (the client "
             f"must trust its CA, `sluice ca`) and decides the {method} request inside on its own.{unseen}")
-    return Judgement(inner, profile, "intercepted", note, authority, method)
+    return Judgement(inner, profile, "intercepted", note, authority, method, credential)
+
+
+def _credential(rules: Rules, decision: Decision, host: str, scheme: str) -> tuple[Decision, Credential | None]:
+    """After an allowed request decision, what the credential injector does
+    (addons/credentials.py, the same pure policy.credentials.apply_to): the
+    entry whose headers it sets, or a `credential_plain_http` refusal."""
+    if not decision.allowed:
+        return decision, None
+    entry, refusal = apply_to(rules, decision.host if decision.host is not None else host, scheme)
+    if refusal is not None:
+        return replace(decision, allowed=False, refusal=refusal.with_note(rules.refusal_note), would_refuse=None), None
+    return decision, entry
 
 
 def decision_json(judgement: Judgement, dest: Destination) -> dict[str, Any]:
@@ -520,6 +541,10 @@ def decision_json(judgement: Judgement, dest: Destination) -> dict[str, Any]:
         "message": decision.refusal.message if decision.refusal else None,
         "via": judgement.via,
         "note": judgement.note,
+        # Which entry's headers the proxy would set: names, never values.
+        "credential": None if judgement.credential is None else {
+            "entry": judgement.credential.origin, "headers": list(judgement.credential.header_names),
+            "allow_plain_http": judgement.credential.allow_plain_http},
     }
 
 

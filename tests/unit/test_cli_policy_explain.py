@@ -31,7 +31,7 @@ clients:
 """
 
 KEYS = {"decision", "reason", "would_refuse", "rule", "profile", "host", "port", "addresses", "address", "status", "detail",
-        "message", "via", "note"}
+        "message", "via", "note", "credential"}
 
 
 @pytest.fixture
@@ -69,6 +69,7 @@ def test_allowed_request(explain, policy):
         "note": "tunnel: the method is not visible: the proxy sees only CONNECT example.com:443 (the host is not under "
                 "`intercept`) and decides it by host, port and address; the GET inside, its path and headers are never "
                 "seen. Add the host to `intercept` to have them checked.",
+        "credential": None,
     }
 
 
