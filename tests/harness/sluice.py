@@ -145,6 +145,10 @@ class SluiceProcess:
         if not any(a == "--admin" or a.startswith("--admin=") for a in self.extra_args):
             # Its own admin port (the default, 127.0.0.1:9090, is one per machine).
             cmd += ["--admin", f"{self.host}:{self.admin_port}"]
+        if not any(a == "--drain-timeout" or a.startswith("--drain-timeout=") for a in self.extra_args):
+            # stop() sends SIGTERM: a tunnel a test left open must not hold
+            # the module's end for the default 30 s drain.
+            cmd += ["--drain-timeout", "2"]
         cmd += list(self.extra_args)
         return cmd
 
