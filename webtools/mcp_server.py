@@ -36,6 +36,8 @@ from mcp.server.stdio import stdio_server
 from mcp.shared.exceptions import MCPError
 
 from sluice.webtools import schema
+from sluice.webtools.client import proxy_for
+from sluice.webtools.errors import WebError
 from sluice.webtools.tools import TOOLS, Tool, call, render
 
 SERVER_NAME = "sluice-web"
@@ -120,5 +122,21 @@ def run(owner: str | None = None) -> int:
             print("sluice mcp: --owner takes a non-empty name", file=sys.stderr)
             return 2
         os.environ["SLUICE_OWNER"] = owner
-    anyio.run(serve)
+    problem = route_problem()
+    if problem is not None:  # still serve: every call answers web_no_proxy, which tells the agent
+        print(f"sluice mcp: {problem}", file=sys.stderr)
+    try:
+        anyio.run(serve)
+    except KeyboardInterrupt:
+        return 130
     return 0
+
+
+def route_problem() -> str | None:
+    """Why no request could go out (no usable proxy configured), or None."""
+    try:
+        proxy_for("https")
+        proxy_for("http")
+    except WebError as e:
+        return e.message
+    return None

@@ -162,3 +162,18 @@ def test_tool_fields_are_what_the_table_documents():
     assert {f.name for f in dataclasses.fields(tools.Tool)} >= {"name", "mcp_name", "cli", "function", "description",
                                                                 "params"}
     assert {f.name for f in dataclasses.fields(Param)} >= {"name", "type", "description", "default", "items"}
+
+
+def test_mcp_names_a_missing_proxy_on_stderr_and_still_serves(monkeypatch):
+    for name in ("SLUICE_PROXY", "HTTPS_PROXY", "HTTP_PROXY", "ALL_PROXY", "https_proxy", "http_proxy", "all_proxy"):
+        monkeypatch.delenv(name, raising=False)
+    assert "SLUICE_PROXY" in mcp_server.route_problem()
+    monkeypatch.setenv("SLUICE_PROXY", "socks5://127.0.0.1:1080")
+    assert "not an http:// proxy URL" in mcp_server.route_problem()
+    monkeypatch.setenv("SLUICE_PROXY", "http://127.0.0.1:8080")
+    assert mcp_server.route_problem() is None
+
+
+def test_mcp_refuses_an_empty_owner(capsys):
+    assert main(["mcp", "--owner", " "]) == 2
+    assert "--owner takes a non-empty name" in capsys.readouterr().err
