@@ -235,7 +235,7 @@ class Call:
                         status=f.status, provider_message="")
 
 
-def _json(call: Call, f: Fetched):
+def _json(f: Fetched):
     try:
         return json.loads(f.body.decode("utf-8"))
     except (UnicodeDecodeError, ValueError):
@@ -296,7 +296,7 @@ def translate(e: WebError, provider: str, url: str) -> WebError:
 def _serper(client, call, query, count):
     creds = {"X-API-KEY": call.key} if call.key else None
     f = _exchange(client, call, "POST", SERPER_URL, body={"q": query, "num": count}, credentials=creds)
-    data = _json(call, f)
+    data = _json(f)
     if not 200 <= f.status < 300:
         message = data.get("message", "") if isinstance(data, dict) else f.body[:300].decode("utf-8", "replace")
         raise call.failed(f, str(message), auth=f.status in (401, 403))
@@ -310,7 +310,7 @@ def _brave(client, call, query, count):
     creds = {"X-Subscription-Token": call.key} if call.key else None
     url = BRAVE_URL + "?" + urlencode({"q": query, "count": count})
     f = _exchange(client, call, "GET", url, headers={"Accept": "application/json"}, credentials=creds)
-    data = _json(call, f)
+    data = _json(f)
     if not 200 <= f.status < 300:
         err = data.get("error") if isinstance(data, dict) else None
         err = err if isinstance(err, dict) else {}
@@ -333,7 +333,7 @@ def _tavily(client, call, query, count):
     creds = {"Authorization": f"Bearer {call.key}"} if call.key else None
     f = _exchange(client, call, "POST", TAVILY_URL, credentials=creds,
                   body={"query": query, "max_results": count})
-    data = _json(call, f)
+    data = _json(f)
     if not 200 <= f.status < 300:
         detail = data.get("detail") if isinstance(data, dict) else None
         if isinstance(detail, dict):
@@ -352,7 +352,7 @@ def _firecrawl(client, call, query, count):
     creds = {"Authorization": f"Bearer {call.key}"} if call.key else None
     f = _exchange(client, call, "POST", base + "/v2/search", body={"query": query, "limit": count},
                   credentials=creds, check=not own)
-    data = _json(call, f)
+    data = _json(f)
     if not 200 <= f.status < 300 or (isinstance(data, dict) and data.get("success") is False):
         message = data.get("error", "") if isinstance(data, dict) else f.body[:300].decode("utf-8", "replace")
         if 200 <= f.status < 300:
@@ -377,7 +377,7 @@ def _searxng(client, call, query, count):
     base = operator_url(call.env, "SEARXNG_URL", "searxng")
     url = base + "/search?" + urlencode({"q": query, "format": "json", "pageno": 1})
     f = _exchange(client, call, "GET", url, headers={"Accept": "application/json"}, check=False)
-    data = _json(call, f)
+    data = _json(f)
     if f.status == 403:
         raise WebError("search_provider_error", "searxng answered 403: its JSON output is probably disabled; add "
                        "json to search.formats in the instance's settings.yml", provider="searxng", status=403,
@@ -492,7 +492,7 @@ def search(query: str, count: int = DEFAULT_COUNT, provider: str | None = None, 
         if provider is not None and not isinstance(provider, str):
             raise WebError("web_bad_argument", f"provider must be one of {', '.join(PROVIDERS)}")
         env = (client.env if client is not None and client.env is not None else os.environ)
-        name, _explicit = choose(env, provider)
+        name, _ = choose(env, provider)
         if name == "none":
             raise WebError("search_not_configured", NOT_CONFIGURED, provider="none")
         call = Call(name, read_key(env, name), KEY_VARS.get(name), env)
