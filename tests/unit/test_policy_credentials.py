@@ -222,3 +222,27 @@ def test_load_policy_file_reads_files_relative_to_the_policy_and_the_environment
     with pytest.raises(PolicyInvalid) as info:
         load_policy_file(tmp_path / "p.yaml")
     assert "not a regular file" in str(info.value)
+
+
+def test_explain_and_check_name_the_entry_never_the_value():
+    import asyncio
+
+    from sluice.addons.resolver import StaticResolver
+    from sluice.policy_cli import decision_json, judge, parse_url, summarise
+
+    policy = load()
+    resolver = StaticResolver({"api.example.com": ["93.184.215.14"], "shared.example.com": ["93.184.215.14"]})
+    for url, expected in (("https://api.example.com/", "allow"), ("http://api.example.com/", "refuse"),
+                          ("http://shared.example.com/", "allow")):
+        dest = parse_url(url)
+        data = decision_json(asyncio.run(judge(policy, None, dest, resolver)), dest)
+        assert data["decision"] == expected, (url, data)
+        assert SECRET not in repr(data)
+        if expected == "refuse":
+            assert data["reason"] == "credential_plain_http" and data["credential"] is None
+        else:
+            assert data["credential"]["entry"] in ("p.yaml:4", "p.yaml:10")
+            assert data["credential"]["headers"] in (["X-Api-Key"], ["X-Shared"])
+    lines = "\n".join(summarise(policy))
+    assert "sets credentials X-Api-Key (file key.txt) on api.example.com (p.yaml:4)" in lines
+    assert "token gh-" not in lines and SECRET not in lines
