@@ -2,7 +2,9 @@
 
 `sluice proxy` loads the same list in-process. Order matters: the gate
 decides first, the redirect guard and caps act on its verdict, and the audit
-log writes last, once every cap has had its say.
+log writes last, once every cap has had its say. The credential injector
+runs right after the gate and its quotas, so after the gate's
+`strip_request_headers` and only on requests they let through.
 """
 
 from sluice.addons.audit import AuditLog
