@@ -19,7 +19,7 @@ from sluice.cli import main
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "deploy" / "compose"
-FILES = ["compose.yaml", "compose.intercept.yaml"]
+FILES = ["compose.yaml", "compose.intercept.yaml", "compose.searxng.yaml"]
 
 
 def load(name: str) -> dict:
