@@ -28,9 +28,16 @@ and file descriptors watched:
    never finds a `pin_mismatch` (which would mean the gate's bookkeeping and
    mitmproxy disagree about what is being dialled).
 
-Counts are short by default (the file runs in well under a minute on two
-cores); SLUICE_LONG=1 runs the long variants. Every loop is bounded in count
-and time.
+Two mitmproxy 12.3.1 bugs found here are kept as xfail(strict=True) tests
+(same root: `ConnectionHandler.handle_connection` does not close a socket
+whose handler task is cancelled while it waits for the server-event lock):
+a client that half-closes just as the proxy closes its connection can be
+left open, past idle_timeout, and a WebSocket pipe cut at its cap can leave
+its upstream socket open.
+
+Counts are short by default (the file runs in about 40 s on two cores);
+SLUICE_LONG=1 runs the long variants. Every loop is bounded in count and
+time.
 """
 
 from __future__ import annotations
@@ -260,13 +267,13 @@ class RssPeak:
 # ---------------------------------------------------------------- 1. fuzzed first bytes
 
 FUZZ_SETTINGS = settings(
-    max_examples=scaled(120, 1200),
+    max_examples=scaled(100, 1000),
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture, HealthCheck.data_too_large],
 )
-HEADER_TIMEOUT = 1.0  # the fuzz proxy's: a head that never ends is answered 408 after this
-IDLE_TIMEOUT = 1.0  # the fuzz proxy's: a keep-alive connection with nothing more to say is closed after this
-READ_BOUND = 6.0  # seconds one fuzzed connection may stay open at most (both timeouts, with room)
+HEADER_TIMEOUT = 0.5  # the fuzz proxy's: a head that never ends is answered 408 after this
+IDLE_TIMEOUT = 0.5  # the fuzz proxy's: a keep-alive connection with nothing more to say is closed after this
+READ_BOUND = 5.0  # seconds one fuzzed connection may stay open at most (ten times either timeout)
 
 
 def _client_hello(alpn: list[str] | None, sni: str | None, tls13: bool) -> bytes:
@@ -541,7 +548,7 @@ def test_a_half_closed_client_is_never_left_open_by_the_proxy(fuzz_proxy, canari
     proxy = fuzz_proxy
     pid = proxy.proc.pid
     base = quiet_fds(pid)
-    bound = IDLE_TIMEOUT + 3
+    bound = IDLE_TIMEOUT + 2.5
     for attempt in range(600):
         s = socket.create_connection(proxy.address, timeout=bound)
         s.sendall(HALF_CLOSE_RACE)
@@ -554,11 +561,11 @@ def test_a_half_closed_client_is_never_left_open_by_the_proxy(fuzz_proxy, canari
         except TimeoutError:
             answers = http1_answers(received)
             s.close()
-            held = settle_fds(pid, base, 3.0)
+            held = settle_fds(pid, base, 2.0)
             assert False, (
                 f"try {attempt + 1}: the proxy answered {[(a.status, a.sluice_reason) for a in answers]} "
                 f"to a request that said Connection: close, but kept the connection open {bound:g}s, "
-                f"past its {IDLE_TIMEOUT:g}s idle_timeout; 3s after the client closed too it held {held} fds "
+                f"past its {IDLE_TIMEOUT:g}s idle_timeout; 2s after the client closed too it held {held} fds "
                 f"(baseline {base})")
         except OSError:
             pass
@@ -718,11 +725,11 @@ def test_cut_websocket_pipes_close_their_upstream_connections(proxy, origin):
     fds_before = quiet_fds(pid)
     paths = [f"/ws/fds-{i}" for i in range(PIPES)]
     pipe_round(proxy, origin, "fds")
-    closed = wait_until(lambda: not origin.still_open(paths), 5.0)
+    closed = wait_until(lambda: not origin.still_open(paths), 3.0)
     left = len(origin.still_open(paths))
-    fds_after = settle_fds(pid, fds_before + FD_TOLERANCE, 3.0)
-    print(f"\n{PIPES} pipes cut: {left} upstream connections still open 5s later; fds {fds_before} -> {fds_after}")
-    assert closed, f"{left} of {PIPES} cut pipes' upstream connections were still open 5s after the cut"
+    fds_after = settle_fds(pid, fds_before + FD_TOLERANCE, 2.0)
+    print(f"\n{PIPES} pipes cut: {left} upstream connections still open 3s later; fds {fds_before} -> {fds_after}")
+    assert closed, f"{left} of {PIPES} cut pipes' upstream connections were still open 3s after the cut"
     assert fds_after <= fds_before + FD_TOLERANCE, f"{fds_after} fds after the pipes were cut, baseline {fds_before}"
 
 
@@ -814,6 +821,242 @@ def test_upgrades_other_than_websocket_are_always_refused(proxy, origin):
     lines = [e for e in proxy.audit()[mark:] if e.get("reason") == "upgrade_refused"]
     assert len(lines) == len(plan), f"{len(plan)} refused upgrades, {len(lines)} upgrade_refused lines"
     print(f"\nrefused upgrades: {len(plan)} ({dict(Counter(w for w, _, _ in plan))}) in {elapsed:.1f}s")
+    errors = proxy_errors(proxy, stderr_mark)
+    assert not errors, "the proxy logged errors:\n" + "\n".join(errors[:40])
+    still_serving(proxy)
+
+
+# ---------------------------------------------------------------- 3. refused uploads under load
+
+UPLOADERS = 8
+UPLOAD_ROUNDS = scaled(2, 8)
+UPLOAD_BYTES = 16 * MIB
+UPLOAD_RSS_GROWTH_KIB = 24 * 1024  # buffered whole, one round alone would be 8 x 16 MiB
+REFUSED_UPLOADS = [
+    ("http://169.254.169.254/upload", "address_not_public"),
+    ("http://10.0.0.1:8080/upload", "address_not_public"),
+    (f"http://{DENIED_NAME}/upload", "host_denied"),
+    ("http://internal-meta.frontdoor.rel.example/upload", "dns_answer_not_public"),
+]
+
+
+def refused_upload(proxy, url: str, chunked: bool) -> tuple[Response, int]:
+    """POST UPLOAD_BYTES to `url`, reading the answer as soon as it comes
+    (before the body is done, if the proxy answers early). Returns (the
+    answer, body bytes sent)."""
+    host = url.split("/")[2]
+    framing = "Transfer-Encoding: chunked" if chunked else f"Content-Length: {UPLOAD_BYTES}"
+    block = b"u" * (256 * KIB)
+    piece = b"%x\r\n" % len(block) + block + b"\r\n" if chunked else block
+    sent = 0
+    with socket.create_connection(proxy.address, timeout=30) as s:
+        s.sendall(f"POST {url} HTTP/1.1\r\nHost: {host}\r\n{framing}\r\n\r\n".encode())
+        try:
+            while sent < UPLOAD_BYTES and not select.select([s], [], [], 0)[0]:
+                s.sendall(piece)
+                sent += len(block)
+            if sent >= UPLOAD_BYTES and chunked:
+                s.sendall(b"0\r\n\r\n")
+        except OSError:
+            pass  # answered and closed while we were sending: read the answer
+        return read_response(_Reader(s), method="POST"), sent
+
+
+@pytest.mark.timeout(scaled(180, 900))
+def test_refused_uploads_under_load_are_never_buffered(proxy, net):
+    pid = proxy.proc.pid
+    stderr_mark = proxy.stderr_mark()
+    public = net.origin("8.8.8.8", 80)
+    refused_upload(proxy, REFUSED_UPLOADS[0][0], False)  # warm-up
+    fds_before = quiet_fds(pid)
+    rss_before = rss_kib(pid)
+    mark = proxy.audit_mark()
+    plan = [(REFUSED_UPLOADS[(r + i) % len(REFUSED_UPLOADS)], (r + i) % 2 == 1)
+            for r in range(UPLOAD_ROUNDS) for i in range(UPLOADERS)]
+    started = time.monotonic()
+    with RssPeak(pid) as peak:
+        results = []
+        for r in range(UPLOAD_ROUNDS):
+            batch = plan[r * UPLOADERS:(r + 1) * UPLOADERS]
+            results += run_threads(refused_upload, [(proxy, url, chunked) for (url, _), chunked in batch], 120)
+    elapsed = time.monotonic() - started
+    for ((url, reason), chunked), (answer, _sent) in zip(plan, results):
+        assert (answer.status, answer.sluice_reason) == (403, reason), f"{url} chunked={chunked}: {answer}"
+    lines = [e for e in proxy.audit()[mark:] if e.get("method") == "POST"]
+    assert Counter(e["reason"] for e in lines) == Counter(reason for (_, reason), _ in plan), lines[:5]
+    assert not [r for r in public.snapshot()[1] if r.path == "/upload"], "a refused upload reached 8.8.8.8"
+    fds_after = settle_fds(pid, fds_before + FD_TOLERANCE)
+    rss_after = rss_kib(pid)
+    total = sum(sent for _, sent in results)
+    print(f"\nrefused uploads: {len(plan)} ({UPLOADERS} at a time), {total / MIB:.0f} MiB sent in {elapsed:.1f}s; "
+          f"RSS {rss_before} -> peak {peak.peak} -> {rss_after} KiB; fds {fds_before} -> {fds_after}")
+    assert peak.peak - rss_before < UPLOAD_RSS_GROWTH_KIB, \
+        f"RSS peaked {(peak.peak - rss_before) // 1024} MiB over the baseline while {total / MIB:.0f} MiB of refused bodies came in"
+    assert fds_after <= fds_before + FD_TOLERANCE, f"{fds_after} fds after the uploads, baseline {fds_before}"
+    errors = proxy_errors(proxy, stderr_mark)
+    assert not errors, "the proxy logged errors:\n" + "\n".join(errors[:40])
+    still_serving(proxy)
+
+
+# ---------------------------------------------------------------- 4. the dial check under churn
+
+CHURN = scaled(6_000, 60_000)
+CHURN_CLIENTS = 16
+CHURN_DEADLINE = scaled(90, 900)
+FLIP_REFUSED = (403, "dns_answer_not_public")
+
+
+def churn_kinds(origin: PipeOrigin) -> list[tuple[str, int, str, str, object]]:
+    """(name, weight, way, target, expected): expected is ("ok", listener
+    or None, the body's host) for an allowed one, (403, reason) for a refused
+    one, "flip" for a name whose answer flips (either the origin's 200 or
+    403 dns_answer_not_public)."""
+    pipe = f"{ORIGIN_NAME}:{origin.port}"
+    kinds = [
+        # allowed: absolute-form and origin-form on a keep-alive connection, and CONNECT
+        ("abs-name", 8, "abs", "http://public.example/churn/{i}", ("ok", ("8.8.8.8", 80), "public.example")),
+        ("abs-one", 3, "abs", "http://one.example/churn/{i}", ("ok", ("1.1.1.1", 80), "one.example")),
+        ("abs-ip-8080", 3, "abs", "http://8.8.8.8:8080/churn/{i}", ("ok", ("8.8.8.8", 8080), "8.8.8.8:8080")),
+        ("abs-v6", 2, "abs", "http://v6.example/churn/{i}", ("ok", ("2606:4700:4700::1111", 80), "v6.example")),
+        ("abs-pipe-origin", 2, "abs", f"http://{pipe}/churn/{{i}}", ("ok", None, pipe)),
+        ("origin-form", 3, "origin", "public.example", ("ok", ("8.8.8.8", 80), "public.example")),
+        ("connect-name", 3, "connect", "public.example:80", ("ok", ("8.8.8.8", 80), "public.example")),
+        ("connect-ip", 2, "connect", "1.1.1.1:80", ("ok", ("1.1.1.1", 80), "1.1.1.1")),
+        # refused: private literals, names answering canaries, internal and denied names
+        ("abs-metadata", 3, "abs", "http://169.254.169.254/latest/{i}", (403, "address_not_public")),
+        ("abs-ten", 2, "abs", "http://10.0.0.1/churn/{i}", (403, "address_not_public")),
+        ("abs-loopback", 2, "abs", "http://127.0.0.1:8080/churn/{i}", (403, "address_not_public")),
+        ("abs-cgnat", 1, "abs", "http://100.100.100.200/churn/{i}", (403, "address_not_public")),
+        ("abs-v6-loopback", 1, "abs", "http://[::1]/churn/{i}", (403, "address_not_public")),
+        ("abs-v6-ula", 1, "abs", "http://[fd00:ec2::254]/churn/{i}", (403, "address_not_public")),
+        ("origin-form-metadata", 1, "origin", "169.254.169.254", (403, "address_not_public")),
+        ("abs-internal-name", 1, "abs", "http://metadata.google.internal/churn/{i}", (403, "internal_hostname")),
+        ("abs-denied", 1, "abs", f"http://{DENIED_NAME}/churn/{{i}}", (403, "host_denied")),
+        ("connect-metadata", 2, "connect", "169.254.169.254:80", (403, "address_not_public")),
+        ("connect-ten", 1, "connect", "10.0.0.1:80", (403, "address_not_public")),
+        # flipping names: public on one query, private on the next
+        *[(f"abs-{name.split('.')[0]}", 2, "abs", f"http://{name}/churn/{{i}}", "flip") for name in FLIP_NAMES],
+        *[(f"connect-{name.split('.')[0]}", 1, "connect", f"{name}:80", "flip") for name in FLIP_NAMES],
+    ]
+    kinds += [(f"abs-{name.split('.')[0]}", 1, "abs", f"http://{name}/churn/{{i}}", (403, "dns_answer_not_public"))
+              for name in CANARY_NAMES]
+    kinds += [(f"connect-{name.split('.')[0]}", 1, "connect", f"{name}:80", (403, "dns_answer_not_public"))
+              for name in CANARY_NAMES]
+    return kinds
+
+
+def churn_one(proxy, conn: KeepAlive, way: str, target: str, i: int) -> tuple[Response, str]:
+    """One request; returns (the answer, the Host the origin must have seen)."""
+    path = f"/churn/{i}"
+    if way == "abs":
+        url = target.format(i=i)
+        return conn.request(get(url)), url.split("/")[2]
+    if way == "origin":
+        return conn.request(f"GET {path} HTTP/1.1\r\nHost: {target}\r\n\r\n".encode()), target
+    response, sock, reader = connect_tunnel(proxy.address, target)
+    if sock is None:
+        return response, target
+    with sock:
+        host = target.rsplit(":", 1)[0]
+        sock.sendall(get(path, host=host, close=True))
+        return read_response(reader), host
+
+
+@pytest.mark.timeout(CHURN_DEADLINE + 120)
+def test_the_dial_check_under_churn(proxy, origin, net, canaries):
+    pid = proxy.proc.pid
+    kinds = churn_kinds(origin)
+    plan = random.Random(4).choices(kinds, weights=[k[1] for k in kinds], k=CHURN)
+    listeners = [net.origin(*a) for a in (("8.8.8.8", 80), ("8.8.8.8", 8080), ("1.1.1.1", 80),
+                                           ("2606:4700:4700::1111", 80))]
+    # Warm up (connections, DNS, caches), then the baselines.
+    warm = KeepAlive(proxy.address)
+    for n in range(50):
+        assert warm.request(get(f"http://public.example/warm/{n}")).status == 200
+    warm.close()
+    fds_before = quiet_fds(pid)
+    rss_before = rss_kib(pid)
+    mark, stderr_mark = proxy.audit_mark(), proxy.stderr_mark()
+    for listener in listeners:
+        listener.reset()
+    origin.reset()
+    counter = iter(range(CHURN))
+    lock = threading.Lock()
+    outcomes: Counter = Counter()
+    wrong: list = []
+    deadline = time.monotonic() + CHURN_DEADLINE
+
+    def client() -> None:
+        conn = KeepAlive(proxy.address, timeout=15)
+        try:
+            while time.monotonic() < deadline:
+                with lock:
+                    i = next(counter, None)
+                if i is None:
+                    return
+                name, _, way, target, expected = plan[i]
+                try:
+                    answer, host = churn_one(proxy, conn, way, target, i)
+                except Exception as e:  # noqa: BLE001
+                    conn.close()
+                    with lock:
+                        wrong.append((i, name, f"{type(e).__name__}: {e}"))
+                    continue
+                want_body = (f"pipe ok /churn/{i}\n" if host == f"{ORIGIN_NAME}:{origin.port}"
+                             else f"origin ok {host} /churn/{i}\n").encode()
+                if answer.status == 200 and answer.body == want_body and (expected == "flip" or expected[0] == "ok"):
+                    result = "ok"
+                elif (answer.status, answer.sluice_reason) == (FLIP_REFUSED if expected == "flip" else expected):
+                    result = "refused"
+                else:
+                    result = "wrong"
+                with lock:
+                    outcomes[(name, result)] += 1
+                    if result == "wrong":
+                        wrong.append((i, name, answer))
+        finally:
+            conn.close()
+
+    started = time.monotonic()
+    threads = [threading.Thread(target=client, daemon=True) for _ in range(CHURN_CLIENTS)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(max(0.1, deadline - time.monotonic() + 30))
+    elapsed = time.monotonic() - started
+    assert not any(t.is_alive() for t in threads), "churn clients still running past the deadline"
+    done = sum(outcomes.values()) + len(wrong)
+    ok = sum(n for (_, r), n in outcomes.items() if r == "ok")
+    refused = sum(n for (_, r), n in outcomes.items() if r == "refused")
+    flips: Counter = Counter()
+    for (name, result), n in outcomes.items():
+        if "flip" in name:
+            flips[result] += n
+    print(f"\ndial-check churn: {done} requests from {CHURN_CLIENTS} clients in {elapsed:.1f}s: "
+          f"{ok} allowed, {refused} refused (flipping names: {dict(flips)}), {len(wrong)} wrong")
+    assert done == CHURN, f"finished {done} of {CHURN} within {CHURN_DEADLINE}s"
+    assert not wrong, f"{len(wrong)} wrong answers, e.g. {wrong[:5]}"
+    canaries.assert_untouched()
+    # The flips really happened both ways.
+    assert flips["ok"] > 0 and flips["refused"] > 0, flips
+
+    entries = proxy.audit()[mark:]
+    pins = [e for e in entries if e.get("reason") == "pin_mismatch"]
+    assert not pins, f"{len(pins)} pin_mismatch lines (the gate and mitmproxy disagreed on a dial), e.g. {pins[:3]}"
+    internal = [e for e in entries if e.get("reason") == "internal_error"]
+    assert not internal, f"{len(internal)} internal_error lines, e.g. {internal[:3]}"
+    allowed_to = {e.get("address") for e in entries if e.get("decision") == "allow" and e.get("address")}
+    assert allowed_to <= {"8.8.8.8", "1.1.1.1", "2606:4700:4700::1111", ORIGIN_IP}, allowed_to
+    # The origins saw exactly the allowed requests.
+    seen = sum(1 for listener in listeners for r in listener.snapshot()[1] if r.path.startswith("/churn/"))
+    seen += sum(1 for p in origin.seen()[0] if p.startswith("/churn/"))
+    assert seen == ok, f"the origins saw {seen} churn requests, the clients got {ok} answers from them"
+
+    fds_after = settle_fds(pid, fds_before + FD_TOLERANCE)
+    rss_after = rss_kib(pid)
+    print(f"  fds {fds_before} -> {fds_after}; RSS {rss_before} -> {rss_after} KiB")
+    assert fds_after <= fds_before + FD_TOLERANCE, f"{fds_after} fds after the churn, baseline {fds_before}"
+    assert rss_after - rss_before < RSS_GROWTH_KIB
     errors = proxy_errors(proxy, stderr_mark)
     assert not errors, "the proxy logged errors:\n" + "\n".join(errors[:40])
     still_serving(proxy)
