@@ -20,3 +20,10 @@ def test_readme_shows_the_two_commands_first():
     text = (ROOT / "README.md").read_text()
     first_block = text.split("```")[1]
     assert "make run" in first_block and "make test" in first_block
+
+
+def test_test_module_names_are_unique():
+    # pytest imports test modules by basename (no packages under tests/): two
+    # files with one name stop the whole run at collection.
+    names = [p.name for p in (ROOT / "tests").rglob("test_*.py")]
+    assert sorted({n for n in names if names.count(n) > 1}) == []
