@@ -39,6 +39,8 @@ Patches:
   see their sections below (a refused request's body is never buffered;
   empty lines before a request line are skipped; an origin's response head
   and chunk-size/trailer lines are capped like request heads).
+- `cancelled_handler_close`: a connection handler cancelled while waiting for
+  the server-event lock closes its socket too (see its section).
 - `dial_check` wraps `ConnectionHandler.open_connection` and, for the task
   it runs in, `asyncio.open_connection`: only an (IP, port) the gate approved
   for that client connection is dialled, never a name (see its section).
@@ -70,6 +72,7 @@ from typing import Protocol
 
 from h11._receivebuffer import ReceiveBuffer
 from mitmproxy import connection
+from mitmproxy.connection import ConnectionState
 from mitmproxy.proxy import commands, events, server
 from mitmproxy.proxy.layers.http._base import ReceiveHttp
 from mitmproxy.proxy.layers.http._events import ErrorCode, RequestHeaders, RequestProtocolError
@@ -804,3 +807,42 @@ RELIED_ON["fast_dispatch"] = (
     "mitmproxy.addonmanager:safecall",
     "mitmproxy.addonmanager:traverse",
 )
+
+
+# ---- cancelled_handler_close ---------------------------------------------------
+#
+# `ConnectionHandler.handle_connection` closes a connection's socket only on
+# its normal way out. Cancelled while it awaits the server-event lock (to
+# report data or the peer's EOF) — which is how mitmproxy closes a connection
+# whose peer is still sending or has just half-closed — the CancelledError
+# leaves it before `writer.close()`: no FIN is sent, idle_timeout no longer
+# applies and the fd stays open after the client is gone (found by
+# tests/reliability/test_rel_front_door.py). The wrapper closes the socket on
+# that way out too.
+
+def _patch_cancelled_handler_close() -> None:
+    def make(original):
+        @functools.wraps(original)
+        async def handle_connection(self, connection):
+            try:
+                return await original(self, connection)
+            except asyncio.CancelledError:
+                # The transport entry stays (a later SendData finds a closing
+                # writer and skips it); the handler's end discards it.
+                io = self.transports.get(connection)
+                if io is not None and io.writer is not None:
+                    try:
+                        io.writer.close()
+                    except OSError:
+                        pass
+                connection.state = ConnectionState.CLOSED
+                raise
+        return handle_connection
+
+    _wrap_once(server.ConnectionHandler, "handle_connection", "__sluice_cancelled_handler_close__", make)
+
+
+PATCHES["cancelled_handler_close"] = (_patch_cancelled_handler_close, (
+    "mitmproxy.proxy.server:ConnectionHandler.handle_connection",
+    "mitmproxy.proxy.server:ConnectionHandler.server_event",
+))

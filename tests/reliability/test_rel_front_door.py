@@ -28,12 +28,13 @@ and file descriptors watched:
    never finds a `pin_mismatch` (which would mean the gate's bookkeeping and
    mitmproxy disagree about what is being dialled).
 
-Two mitmproxy 12.3.1 bugs found here are kept as xfail(strict=True) tests
-(same root: `ConnectionHandler.handle_connection` does not close a socket
-whose handler task is cancelled while it waits for the server-event lock):
-a client that half-closes just as the proxy closes its connection can be
-left open, past idle_timeout, and a WebSocket pipe cut at its cap can leave
-its upstream socket open.
+Two mitmproxy 12.3.1 bugs found here (same root: `ConnectionHandler.
+handle_connection` did not close a socket whose handler task was cancelled
+while it waited for the server-event lock: a client that half-closed just as
+the proxy closed its connection could be left open past idle_timeout, and a
+WebSocket pipe cut at its cap could leave its upstream socket open) are fixed
+by `cancelled_handler_close` in addons/mitm_patches.py; their tests stay as
+regressions.
 
 Counts are short by default (the file runs in about 40 s on two cores);
 SLUICE_LONG=1 runs the long variants. Every loop is bounded in count and
@@ -477,7 +478,6 @@ def test_fuzzed_first_bytes_on_the_proxy_port(fuzz_proxy, origin, net, canaries)
     public = net.origin("8.8.8.8", 80)
     tls_clients = [0]
     protocol_refusals = [0]
-    left_open: list[str] = []  # the mitmproxy race below
     outcomes: Counter = Counter()
     slowest = [0.0]
 
@@ -495,13 +495,7 @@ def test_fuzzed_first_bytes_on_the_proxy_port(fuzz_proxy, origin, net, canaries)
             # TLS to the proxy itself: closed without a byte (no ServerHello, no alert, no HTTP).
             assert received == b"", f"{what}: the proxy answered a TLS client with {received[:64]!r}"
         answers = http1_answers(received)
-        if not closed and tail == "shut":
-            # test_a_half_closed_client_is_never_left_open_by_the_proxy (xfail):
-            # the client shut its side and the proxy's close lost the race.
-            # Drop this exemption with that test's xfail mark.
-            left_open.append(what)
-        else:
-            assert closed, f"the proxy kept the connection open past {READ_BOUND}s after {what} (got {received[:200]!r})"
+        assert closed, f"the proxy kept the connection open past {READ_BOUND}s after {what} (got {received[:200]!r})"
         outcomes[(kind, tuple((a.status, a.sluice_reason) for a in answers))] += 1
         protocol_refusals[0] += sum(1 for a in answers if a.sluice_reason == "client_protocol_refused")
         for a in answers:
@@ -521,8 +515,7 @@ def test_fuzzed_first_bytes_on_the_proxy_port(fuzz_proxy, origin, net, canaries)
         canaries.assert_untouched()
 
     one()
-    print(f"\nfront-door fuzz: {sum(outcomes.values())} connections, slowest {slowest[0]:.2f}s, "
-          f"{len(left_open)} left open after a half-close (the xfail race)")
+    print(f"\nfront-door fuzz: {sum(outcomes.values())} connections, slowest {slowest[0]:.2f}s")
     for (kind, answers), n in sorted(outcomes.items(), key=str):
         print(f"  {n:4d} {kind:6s} {answers or 'closed, no answer'}")
     # Every TLS client was refused as such, with one line (and no answer),
@@ -545,12 +538,6 @@ HALF_CLOSE_RACE = (b"GET http://169.254.169.254/ HTTP/1.1\r\nHost: 169.254.169.2
                    b"GET http://10.0.0.1/ HTTP/1.1\r\nHost: 10.0.0.1\r\nConnection: close\r\n\r\n")
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG (mitmproxy 12.3.1, found by the front-door fuzz): a client that shuts its write side just as the "
-    "proxy closes the connection (after answering a request that said Connection: close, or after one of "
-    "mitmproxy's own 400s) can be left open for good: ConnectionHandler.handle_connection is cancelled "
-    "while it waits for the server-event lock to report the client's EOF and never reaches its "
-    "writer.close(); no FIN is sent, idle_timeout no longer applies, the fd stays open after the client is gone"))
 def test_a_half_closed_client_is_never_left_open_by_the_proxy(fuzz_proxy, canaries):
     """A client sends a refused request and a second one with `Connection:
     close`, then shuts its write side. Both are answered and the proxy closes
@@ -717,7 +704,7 @@ def test_websocket_pipes_under_load_are_all_cut_at_the_cap(proxy, origin):
     """PIPE_ROUNDS rounds of PIPES concurrent pipes, each pushing four times
     `tunnel_max_bytes`; every other round the origin pushes too, so either
     direction reaches the cap first. (That every cut pipe's sockets are freed
-    is test_cut_websocket_pipes_close_their_upstream_connections, xfail.)"""
+    is test_cut_websocket_pipes_close_their_upstream_connections.)"""
     pid = proxy.proc.pid
     stderr_mark = proxy.stderr_mark()
     run_threads(push_pipe, [(proxy, origin, f"/ws/warm-{i}") for i in range(4)], 60)
@@ -737,13 +724,6 @@ def test_websocket_pipes_under_load_are_all_cut_at_the_cap(proxy, origin):
     still_serving(proxy)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG (mitmproxy 12.3.1, found by the front-door reliability suite): when a WebSocket pipe is cut at "
-    "tunnel_max_bytes, Caps.cut_tunnel -> connections.close_client cancels each connection's handler task; a "
-    "server connection whose task is then waiting for the server-event lock (the origin is still sending) "
-    "leaves ConnectionHandler.handle_connection without closing its writer, so the upstream socket stays "
-    "ESTABLISHED (no FIN to the origin, one proxy fd held) until a garbage collection happens to free the "
-    "abandoned transport (over a minute with the proxy idle); seen for up to 16 of 16 pipes cut at once"))
 @pytest.mark.timeout(120)
 def test_cut_websocket_pipes_close_their_upstream_connections(proxy, origin):
     """Rounds of PIPES pipes cut at the cap, the origin pushing too (which
