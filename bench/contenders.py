@@ -79,6 +79,7 @@ def all_contenders() -> list[Contender]:
         Contender("sluice-w2", "Sluice, default policy, --workers 2 (not pinned: both CPUs, shared with wrk and nginx)",
                   18086, frozenset({"http"}), workers=2, pinned=False),
         Contender("sluice-10k", "Sluice, 10k patterns + 1k CIDRs", 18082),
+        Contender("sluice-limits", "Sluice, default policy + every quota limit on", 18088, frozenset({"http", "connect"})),
         Contender("tinyproxy", "tinyproxy (reference)", 18083),
     ]
 
@@ -130,6 +131,7 @@ def start(c: Contender, root: Path, policies: dict[str, Path], wrapper: list[str
             _start_mitmdump(c, root, wrapper)
         elif c.key.startswith("sluice"):
             _start_sluice(c, root, policies["large" if c.key == "sluice-10k" else
+                                            "limits" if c.key == "sluice-limits" else
                                             "baseline" if c.key == "sluice-baseline" else "default"])
         elif c.key == "tinyproxy":
             _start_tinyproxy(c, root, wrapper)

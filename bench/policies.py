@@ -96,8 +96,22 @@ def write_baseline(directory: Path, tree: Path, dns_server: str = DNS_SERVER) ->
                  f"{tree}/config/policy.yaml with the benchmark's fake DNS server")
 
 
+# Every quota on, none ever refusing: the cost of counting (issue 15's
+# "the performance table still meets its targets with limits configured").
+QUOTA_LIMITS = {"requests_per_second": 1_000_000_000, "burst": 1_000_000_000, "bytes_per_hour": 2**50,
+                "max_requests_per_host_per_minute": 1_000_000_000, "max_connections": 1_000_000, "max_tunnels": 1_000_000}
+
+
+def limits_policy(dns_server: str = DNS_SERVER) -> dict:
+    data = base_policy(dns_server)
+    data["limits"] = {**(data.get("limits") or {}), **QUOTA_LIMITS}
+    return data
+
+
 def write_all(directory: Path, dns_server: str = DNS_SERVER) -> dict[str, Path]:
     return {
+        "limits": write(directory / "policy-limits.yaml", limits_policy(dns_server),
+                        "config/policy.yaml with every quota limit on (none ever refusing)"),
         "default": write(directory / "policy-default.yaml", base_policy(dns_server),
                          "config/policy.yaml with the benchmark's fake DNS server"),
         "large": write(directory / "policy-10k.yaml", large_policy(dns_server),

@@ -8,7 +8,7 @@ from pathlib import Path
 from bench import micro
 
 BASE = "mitmdump"
-ORDER = ["direct", "mitmdump", "sluice", "sluice-w2", "sluice-10k", "tinyproxy", "mitmdump-tcp"]
+ORDER = ["direct", "mitmdump", "sluice", "sluice-w2", "sluice-10k", "sluice-limits", "tinyproxy", "mitmdump-tcp"]
 SCALE = "sluice-w2"  # Sluice --workers 2, not pinned
 
 # Targets from the issue.
@@ -126,7 +126,7 @@ def tunnel_table(results: dict) -> list[str]:
     return lines
 
 
-CONNECT_ORDER = ["mitmdump", "sluice", "sluice-baseline", "sluice-10k", "tinyproxy", "direct"]
+CONNECT_ORDER = ["mitmdump", "sluice", "sluice-baseline", "sluice-10k", "sluice-limits", "tinyproxy", "direct"]
 BASELINE = Path(__file__).resolve().parent / "connect-baseline.json"  # measured before the security work
 
 

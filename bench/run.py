@@ -359,7 +359,7 @@ def idle_phase(everyone: list[C.Contender], s: Settings, results: dict, log) -> 
         time.sleep(1.0)  # let the proxy close its upstream sides
 
 
-KEY = ("mitmdump", "sluice", "sluice-10k")  # measured every round; the rest are references
+KEY = ("mitmdump", "sluice", "sluice-10k", "sluice-limits")  # measured every round; the rest are references
 # Also measured every round, but left out of KEY's quiet-round test: its
 # workers share both CPUs with the load side, and its ratios get their own.
 SCALE = "sluice-w2"
@@ -493,7 +493,7 @@ def http_phase(everyone: list[C.Contender], s: Settings, root: Path, results: di
 
 
 # Every round; tinyproxy and direct are references.
-CONNECT_KEYS = ("mitmdump", "sluice", "sluice-baseline", "sluice-10k")
+CONNECT_KEYS = ("mitmdump", "sluice", "sluice-baseline", "sluice-10k", "sluice-limits")
 
 
 def connect_phase(everyone: list[C.Contender], s: Settings, results: dict, log) -> None:
