@@ -462,3 +462,35 @@ def test_cli(proxy, ca, mock):
     assert p.returncode == 1 and "search_bad_key" in p.stderr
     for out in (p.stdout, p.stderr):
         assert not any(k in out for k in KEYS.values())
+
+
+def test_web_search_over_mcp(proxy, ca, mock):
+    """The same search through `sluice mcp` (the SDK's own stdio client): the
+    structured content is the function's result; a failure is a tool error
+    carrying the same error dict."""
+    import anyio
+    from mcp import Client
+    from mcp.client.stdio import StdioServerParameters
+
+    env = {"SLUICE_PROXY": proxy.proxy_url, "SLUICE_CA_CERT": ca[1], "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+           **keyed("brave")}
+
+    async def main():
+        params = StdioServerParameters(command=sluice_executable(), args=["mcp"], env=env)
+        with anyio.fail_after(60):
+            async with Client(params) as client:
+                listed = {t.name for t in (await client.list_tools()).tools}
+                ok = await client.call_tool("web_search", {"query": "tide tables", "count": 5})
+                bad = await client.call_tool("web_search", {"query": "tide tables", "provider": "serper"})
+                empty = await client.call_tool("web_search", {"query": "   "})
+                return listed, ok, bad, empty
+
+    listed, ok, bad, empty = anyio.run(main)
+    assert "web_search" in listed
+    assert not ok.is_error and ok.structured_content["provider"] == "brave"
+    with WebClient(env=env) as client:
+        assert ok.structured_content == search("tide tables", count=5, client=client)
+    assert bad.is_error and "search_bad_key" in bad.content[0].text  # serper has no key here
+    assert empty.is_error and "search_bad_query" in empty.content[0].text
+    for result in (ok, bad, empty):
+        assert not any(k in result.content[0].text for k in KEYS.values())
