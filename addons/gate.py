@@ -34,9 +34,10 @@ from __future__ import annotations
 
 import functools
 import ipaddress
+import socket
 import logging
 
-from mitmproxy import connection, http
+from mitmproxy import connection, ctx, http
 from mitmproxy.net import tls as mitm_tls
 from mitmproxy.net.http import url as mitm_url
 from mitmproxy.proxy import commands, events, layer, layers, mode_specs
@@ -370,7 +371,14 @@ class EgressGate:
         connect (after it waited for a connection slot): only an IP address
         approved for this client connection, never a name."""
         if _canonical_ip(host) is not None and self._approved_rules(client, host, port) is not None:
-            return True
+            if not _dials_this_proxy(host, port):
+                return True
+            self.audit.write(
+                event="connect", client=peer(client), host=str(host), port=port, decision="refuse",
+                reason=Reason.PROXY_LOOP.value,
+                detail=f"{_short(str(host))}:{port} is one of this host's own addresses and a port this proxy listens on; refused before connecting",
+            )
+            return False
         self.audit.write(
             event="connect", client=peer(client), host=str(host), port=port, decision="refuse",
             reason=Reason.PIN_MISMATCH.value,
@@ -479,6 +487,34 @@ def _strip_headers(request: http.Request, extra: frozenset[str]) -> None:
         request.headers.pop(name, None)
     for name in extra:
         request.headers.pop(name, None)
+
+
+def _dials_this_proxy(ip: str, port: int) -> bool:
+    """A dial back to one of this proxy's listeners through any of the host's
+    own addresses: mitmproxy itself only recognises the exact listen address
+    and loopback, which a wildcard listener (0.0.0.0, ::) does not cover."""
+    master = getattr(ctx, "master", None)
+    proxyserver = master.addons.get("proxyserver") if master is not None else None
+    if proxyserver is None:
+        return False
+    for instance in proxyserver.servers:
+        for listen_host, listen_port, *_ in instance.listen_addrs:
+            if listen_port == port and (listen_host in ("0.0.0.0", "::", "") or _canonical_ip(listen_host) == _canonical_ip(ip)):
+                return _is_local_address(ip)
+    return False
+
+
+@functools.lru_cache(maxsize=1024)
+def _is_local_address(ip: str) -> bool:
+    """Whether an address belongs to this host: only a local address can be
+    bound (no packet is sent)."""
+    family = socket.AF_INET6 if ":" in ip else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        try:
+            probe.bind((ip, 0))
+        except OSError:
+            return False
+    return True
 
 
 @functools.lru_cache(maxsize=4096)

@@ -22,7 +22,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from harness import default_policy, free_port
+from harness import SluiceProcess, default_policy, free_port
 from harness.clients import curl
 
 pytestmark = pytest.mark.netns
@@ -511,3 +511,45 @@ def test_an_endless_chunk_size_line_is_cut_with_flat_memory(proxy, origin):
     assert sent < 64 * MIB  # cut long before the client was done
     assert _rss_kib(proxy.proc.pid) - before < 24 * 1024
     assert not [r for r in origin.requests if r["target"] == "/upload" and r["body"]]
+
+
+# ------------------------------------------------------------ a dial back to the proxy
+
+
+class WildcardSluice(SluiceProcess):
+    """`sluice proxy --listen 0.0.0.0:PORT`, reached on 127.0.0.1."""
+
+    def __init__(self, *args, port: int, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._wildcard_port = port
+
+    def command(self) -> list[str]:
+        cmd = super().command()
+        cmd[cmd.index("--listen") + 1] = f"0.0.0.0:{self._wildcard_port}"
+        return cmd
+
+    @property
+    def address(self) -> tuple[str, int]:
+        return ("127.0.0.1", self._wildcard_port)
+
+
+def test_a_dial_back_to_a_wildcard_listener_through_the_hosts_own_address_is_refused(
+        net, fake_dns, sluice_home, tmp_path):
+    """mitmproxy recognises only the exact listen address and loopback as
+    itself; listening on 0.0.0.0, the host's other addresses (here 8.8.8.8, a
+    'public' address of this namespace) are the proxy too."""
+    port = free_port("0.0.0.0")
+    proc = WildcardSluice(tmp_path, default_policy(ports=[80, 443, port]), name="wildcard", home=sluice_home, port=port)
+    proc.port = port
+    proc.start()
+    try:
+        mark = proc.audit_mark()
+        s, head = _raw(proc, f"GET http://8.8.8.8:{port}/loop HTTP/1.1\r\nHost: 8.8.8.8:{port}\r\nConnection: close\r\n\r\n".encode())
+        s.close()
+        assert head.startswith(b"HTTP/1.1 502"), head[:200]
+        lines = proc.wait_audit(lambda e: e.get("reason") == "proxy_loop", since=mark, what="the proxy_loop line")
+        assert lines
+        # The proxy never received a connection from itself.
+        assert not [e for e in proc.audit()[mark:] if (e.get("client") or "").startswith("8.8.8.8:")]
+    finally:
+        proc.stop()

@@ -173,3 +173,9 @@ def test_a_connect_tunnel_is_re_decided_with_its_method():
     assert still_allowed(policy("version: 1\nmethods: [GET]\n"), tunnel).reason == "method_not_allowed"
     socks = _tunnel("public.example", 443, "8.8.8.8")  # SOCKS5: no method was ever decided
     assert still_allowed(policy("version: 1\nmethods: [GET]\n"), socks) is None
+
+
+def test_only_this_hosts_own_addresses_count_as_the_proxy():
+    assert gate._is_local_address("127.0.0.1")
+    assert not gate._is_local_address("192.0.2.1")  # TEST-NET-1: never a local address here
+    assert not gate._dials_this_proxy("127.0.0.1", 8080)  # no proxy running in a unit test
