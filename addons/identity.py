@@ -38,6 +38,7 @@ import asyncio
 import base64
 import binascii
 import hashlib
+import ipaddress
 import math
 import os
 import time
@@ -99,6 +100,18 @@ def parse_basic(header: str | None) -> tuple[str, str] | None:
         return None
     user, sep, password = decoded.partition(":")
     return (user, password) if sep else None
+
+
+def _throttle_key(source: str | None) -> str | None:
+    """What wrong passwords are counted against: the address, or for IPv6 its
+    /64, which one host usually holds whole (per-address counting would let it
+    rotate addresses)."""
+    if source is None or ":" not in source:
+        return source
+    try:
+        return str(ipaddress.IPv6Network(f"{source.split('%', 1)[0]}/64", strict=False))
+    except ValueError:
+        return source
 
 
 def _source(client: connection.Client) -> str | None:
@@ -230,6 +243,7 @@ class ClientIdentifier:
         self._socks_logins.pop(client.id, None)
 
     async def _check(self, policy: Policy, source: str | None, check: PasswordCheck, password: str) -> ClientMatch:
+        source = _throttle_key(source)
         key = self._cache_key(check.verifier, password) if check.verifier is not None else None
         if key is not None:
             if key in self._successes:

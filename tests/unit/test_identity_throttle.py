@@ -307,3 +307,21 @@ def test_throttled_refusal_is_a_407_with_retry_after():
     assert m.refusal.status == 407 and m.refusal.reason == Reason.AUTH_THROTTLED and m.refusal.retry_after == 7
     assert "wait 7 s" in m.refusal.detail
     assert "Proxy-Authenticate" in refusal_headers(m.refusal)
+
+
+def test_ipv6_clients_are_throttled_by_their_64():
+    from sluice.addons.identity import _throttle_key
+
+    assert _throttle_key("2001:db8:1:2::5") == _throttle_key("2001:db8:1:2:ffff::9") == "2001:db8:1:2::/64"
+    assert _throttle_key("2001:db8:1:3::5") != _throttle_key("2001:db8:1:2::5")
+    assert _throttle_key("fe80::1%eth0") == "fe80::/64"
+    assert _throttle_key("10.0.0.5") == "10.0.0.5" and _throttle_key(None) is None
+
+
+def test_guesses_rotating_through_one_ipv6_64_share_one_throttle():
+    h = Harness()
+    for i in range(ADDRESS_BURST):
+        assert _reason(h.match("alice", "guess", source=f"2001:db8:1:2::{i + 1:x}")) == Reason.CLIENT_UNKNOWN
+    m = h.match("bob", "another-guess", source="2001:db8:1:2::ffff")  # a fresh address, the same /64
+    assert _reason(m) == Reason.AUTH_THROTTLED
+    assert h.match("bob", "bob-pw", source="2001:db8:1:3::1").refusal is None  # another /64 is not affected
