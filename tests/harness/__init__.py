@@ -14,6 +14,7 @@ Pieces (fixtures in tests/conftest.py wrap them):
                      (:80, :443, :8080)                            -> `net`
 - sluice.SluiceProcess `sluice proxy` as a subprocess              -> `sluice_factory`
 - clients            raw HTTP / CONNECT / SOCKS5 clients and a clean-env curl
+- http.read_request_head  one HTTP/1 request head, for the test origins
 - netns.netns_problem the guard behind the `netns` session fixture
 Set SLUICE_BIN to run the tests against another `sluice` executable.
 """

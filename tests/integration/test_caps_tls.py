@@ -21,6 +21,7 @@ import httpx
 import pytest
 
 from harness import default_policy
+from harness.http import read_request_head
 
 pytestmark = pytest.mark.netns
 
@@ -80,14 +81,7 @@ class SpecialOrigin:
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
         try:
             while True:
-                head = await reader.readuntil(b"\r\n\r\n")
-                lines = head.decode("latin-1").split("\r\n")
-                method, target, _ = lines[0].split(" ")
-                headers = {}
-                for line in lines[1:]:
-                    if line:
-                        k, _, v = line.partition(":")
-                        headers[k.strip().lower()] = v.strip()
+                method, target, headers = await read_request_head(reader)
                 body_len = await self._drain_body(reader, headers)
                 self.seen.append((target, headers))
                 if not await self._respond(writer, method, target, headers, body_len):

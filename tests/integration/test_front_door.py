@@ -24,6 +24,7 @@ import pytest
 
 from harness import SluiceProcess, default_policy, free_port
 from harness.clients import curl
+from harness.http import read_request_head
 
 pytestmark = pytest.mark.netns
 
@@ -67,14 +68,7 @@ class UpgradeOrigin:
     async def _handle(self, reader, writer):
         try:
             while True:
-                head = await reader.readuntil(b"\r\n\r\n")
-                lines = head.decode("latin-1").split("\r\n")
-                method, target, _ = lines[0].split(" ")
-                headers = {}
-                for line in lines[1:]:
-                    if line:
-                        k, _, v = line.partition(":")
-                        headers[k.strip().lower()] = v.strip()
+                method, target, headers = await read_request_head(reader)
                 body = await self._drain(reader, headers)
                 self.requests.append({"method": method, "target": target, "headers": headers, "body": body})
                 if target == "/endless-head":  # a hostile origin: a response head that never ends

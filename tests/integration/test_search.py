@@ -26,6 +26,7 @@ import pytest
 
 from harness import default_policy
 from harness.sluice import sluice_executable
+from harness.http import read_request_head
 from sluice.webtools.client import Limits, WebClient
 from sluice.webtools.search import search
 
@@ -90,14 +91,7 @@ class Mock:
         local = writer.get_extra_info("sockname")[0]
         try:
             while True:
-                head = await reader.readuntil(b"\r\n\r\n")
-                lines = head.decode("latin-1").split("\r\n")
-                method, target, _ = lines[0].split(" ")
-                headers = {}
-                for line in lines[1:]:
-                    if line:
-                        k, _, v = line.partition(":")
-                        headers[k.strip().lower()] = v.strip()
+                method, target, headers = await read_request_head(reader)
                 body = await reader.readexactly(int(headers.get("content-length", "0") or 0))
                 if "://" in target:
                     target = "/" + target.split("://", 1)[1].split("/", 1)[1]

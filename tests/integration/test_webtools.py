@@ -25,6 +25,7 @@ import pytest
 
 from harness import default_policy, free_port
 from harness.sluice import sluice_executable
+from harness.http import read_request_head
 from sluice.webtools.client import Limits, WebClient
 from sluice.webtools.fetch import fetch, source_read
 from sluice.webtools.read import read
@@ -100,14 +101,7 @@ class WebOrigin:
         port = writer.get_extra_info("sockname")[1]
         try:
             while True:
-                head = await reader.readuntil(b"\r\n\r\n")
-                lines = head.decode("latin-1").split("\r\n")
-                method, target, _ = lines[0].split(" ")
-                headers = {}
-                for line in lines[1:]:
-                    if line:
-                        k, _, v = line.partition(":")
-                        headers[k.strip().lower()] = v.strip()
+                method, target, headers = await read_request_head(reader)
                 path = target.split("://", 1)[-1]
                 path = "/" + path.split("/", 1)[1] if "://" in target else target
                 self.requests.append({"path": path, "port": port, "headers": headers})
