@@ -94,3 +94,48 @@ class AgentNamespace:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+# The nftables rules docs/deploy.md gives for transparent mode: everything
+# TCP the agent sends is redirected to Sluice's transparent listener, and
+# nothing else from it is accepted or forwarded. {agent_if} is the gateway's
+# end of the agent's link, {port} the listener, {table} the table's name.
+TRANSPARENT_RULES = """\
+table inet {table} {{
+  chain prerouting {{
+    type nat hook prerouting priority dstnat; policy accept;
+    iifname "{agent_if}" meta l4proto tcp redirect to :{port}
+  }}
+  chain input {{
+    type filter hook input priority filter; policy accept;
+    iifname "{agent_if}" tcp dport {port} accept
+    iifname "{agent_if}" drop
+  }}
+  chain forward {{
+    type filter hook forward priority filter; policy accept;
+    iifname "{agent_if}" drop
+  }}
+}}
+"""
+
+
+def nft(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(["nft", *args], input=stdin, capture_output=True, text=True, timeout=20)
+
+
+def redirect_to_sluice(agent: AgentNamespace, port: int, table: str) -> subprocess.CompletedProcess:
+    """Load TRANSPARENT_RULES for this agent; undo with nft("delete", "table", "inet", table)."""
+    return nft("-f", "-", stdin=TRANSPARENT_RULES.format(table=table, agent_if=agent.outer_if, port=port))
+
+
+def transparent_gateway(agent: AgentNamespace, workdir, policy: dict, **kwargs):
+    """A `sluice proxy --mode transparent` listening on the gateway's end of
+    the agent's link (not started)."""
+    from harness.sluice import SluiceProcess
+
+    class Gateway(SluiceProcess):
+        def command(self) -> list[str]:
+            self.host = agent.outer_ip
+            return super().command() + ["--mode", "transparent"]
+
+    return Gateway(workdir, policy, **kwargs)

@@ -297,42 +297,19 @@ def test_max_total_connections_closes_at_accept(sluice_factory):
 
 # ---- transparent mode (an agent namespace redirected by nftables, as in test_transparent.py)
 
-TRANSPARENT_RULES = """\
-table inet sluice_quota_transparent {{
-  chain prerouting {{
-    type nat hook prerouting priority dstnat; policy accept;
-    iifname "{agent_if}" meta l4proto tcp redirect to :{port}
-  }}
-  chain input {{
-    type filter hook input priority filter; policy accept;
-    iifname "{agent_if}" tcp dport {port} accept
-    iifname "{agent_if}" drop
-  }}
-}}
-"""
-
 
 def test_transparent_connections_over_the_rate_are_closed(netns, fake_dns, net, tmp_path_factory, sluice_home):
-    import subprocess
-
-    from harness.agentns import AgentNamespace, missing_tools
-    from harness.sluice import SluiceProcess
+    from harness.agentns import AgentNamespace, missing_tools, nft, redirect_to_sluice, transparent_gateway
 
     missing = missing_tools("nft", "curl")
     if missing:
         pytest.skip(f"transparent mode needs {', '.join(missing)}; untested without it")
     with AgentNamespace("tq", "10.199.3") as agent:
-        class Gateway(SluiceProcess):
-            def command(self) -> list[str]:
-                self.host = agent.outer_ip
-                return super().command() + ["--mode", "transparent"]
-
-        proc = Gateway(tmp_path_factory.mktemp("quota-transparent"),
-                       default_policy(limits={"requests_per_second": 0.2, "burst": 1}),
-                       name="quota-transparent", home=sluice_home)
+        proc = transparent_gateway(agent, tmp_path_factory.mktemp("quota-transparent"),
+                                   default_policy(limits={"requests_per_second": 0.2, "burst": 1}),
+                                   name="quota-transparent", home=sluice_home)
         proc.start()
-        rules = TRANSPARENT_RULES.format(agent_if=agent.outer_if, port=proc.port)
-        loaded = subprocess.run(["nft", "-f", "-"], input=rules, capture_output=True, text=True, timeout=20)
+        loaded = redirect_to_sluice(agent, proc.port, "sluice_quota_transparent")
         try:
             assert loaded.returncode == 0, loaded.stderr
 
@@ -349,5 +326,5 @@ def test_transparent_connections_over_the_rate_are_closed(netns, fake_dns, net, 
             assert entry["client"].startswith(agent.inner_ip)
             assert not any(r.path == "/tq/2" for r in net.origin("8.8.8.8", 80).requests)
         finally:
-            subprocess.run(["nft", "delete", "table", "inet", "sluice_quota_transparent"], capture_output=True, timeout=20)
+            nft("delete", "table", "inet", "sluice_quota_transparent")
             proc.stop()

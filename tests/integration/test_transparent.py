@@ -5,7 +5,7 @@ An "agent" network namespace is joined to the test namespace by a veth
 pair; the test namespace (the gateway) redirects every TCP connection
 arriving from the agent to Sluice's transparent listener and drops
 everything else from it, with exactly the nftables rules docs/deploy.md
-gives (RULES below). The agent then connects straight to addresses, no
+gives (harness.agentns.TRANSPARENT_RULES). The agent then connects straight to addresses, no
 proxy configured: an allowed origin answers through Sluice, the metadata
 address and a private canary are refused by Sluice, and no canary sees a
 connection.
@@ -18,34 +18,10 @@ import subprocess
 
 import pytest
 
-from harness.agentns import AgentNamespace, missing_tools
+from harness.agentns import TRANSPARENT_RULES, AgentNamespace, missing_tools, nft, redirect_to_sluice, transparent_gateway
 from harness.sluice import SluiceProcess, default_policy
 
 pytestmark = pytest.mark.netns
-
-# {agent_if} is the gateway's end of the agent's link, {port} Sluice's transparent listener.
-RULES = """\
-table inet sluice_transparent {{
-  chain prerouting {{
-    type nat hook prerouting priority dstnat; policy accept;
-    iifname "{agent_if}" meta l4proto tcp redirect to :{port}
-  }}
-  chain input {{
-    type filter hook input priority filter; policy accept;
-    iifname "{agent_if}" tcp dport {port} accept
-    iifname "{agent_if}" drop
-  }}
-  chain forward {{
-    type filter hook forward priority filter; policy accept;
-    iifname "{agent_if}" drop
-  }}
-}}
-"""
-
-
-def nft(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run(["nft", *args], input=stdin, capture_output=True, text=True, timeout=20)
-
 
 @pytest.fixture(scope="module")
 def agent(netns):
@@ -59,14 +35,10 @@ def agent(netns):
 
 @pytest.fixture(scope="module")
 def transparent(agent, fake_dns, net, tmp_path_factory, sluice_home):
-    class Gateway(SluiceProcess):
-        def command(self) -> list[str]:
-            self.host = agent.outer_ip
-            return super().command() + ["--mode", "transparent"]
-
-    proc = Gateway(tmp_path_factory.mktemp("transparent"), default_policy(), name="transparent", home=sluice_home)
+    proc = transparent_gateway(agent, tmp_path_factory.mktemp("transparent"), default_policy(),
+                               name="transparent", home=sluice_home)
     proc.start()
-    loaded = nft("-f", "-", stdin=RULES.format(agent_if=agent.outer_if, port=proc.port))
+    loaded = redirect_to_sluice(agent, proc.port, "sluice_transparent")
     if loaded.returncode != 0:
         proc.stop()
         pytest.fail(f"nft could not load the documented rules: {loaded.stderr}")
@@ -86,7 +58,7 @@ def test_the_rules_doc_and_the_test_agree():
     from pathlib import Path
 
     doc = (Path(__file__).resolve().parents[2] / "docs" / "deploy.md").read_text()
-    shown = RULES.format(agent_if="veth-agent", port=15001)
+    shown = TRANSPARENT_RULES.format(table="sluice_transparent", agent_if="veth-agent", port=15001)
     assert shown in doc, "docs/deploy.md must show exactly the rules this test loads"
 
 
