@@ -41,6 +41,7 @@ refused type costs one response head (the connection is closed).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import ssl
@@ -48,7 +49,7 @@ import time
 import zlib
 from dataclasses import dataclass, field
 from http.cookiejar import DefaultCookiePolicy
-from typing import Callable
+from typing import Callable, Iterator
 
 import httpx
 
@@ -376,6 +377,7 @@ class WebClient:
     def __exit__(self, *exc) -> None:
         self.close()
 
+
     def _client(self, proxy: str) -> httpx.Client:
         client = self._clients.get(proxy)
         if client is None:
@@ -530,6 +532,17 @@ class WebClient:
                            f"arrived ({e}); the origin, or a size or time cap of the proxy, cut it", url=current) from None
         fetched.body = bytes(body)
         return fetched
+
+
+@contextlib.contextmanager
+def call_client(client: "WebClient | None") -> Iterator["WebClient"]:
+    """A tool call's client: the caller's as it is (the caller closes it), or
+    one made from the environment for this call and closed after it."""
+    if client is not None:
+        yield client
+        return
+    with WebClient(limits=Limits.from_env()) as own:
+        yield own
 
 
 def _short_body(response: httpx.Response, deadline: float) -> str:

@@ -19,7 +19,7 @@ import codecs
 import hashlib
 from datetime import datetime, timezone
 
-from sluice.webtools.client import Fetched, Limits, ReadPlan, WebClient
+from sluice.webtools.client import Fetched, Limits, ReadPlan, WebClient, call_client
 from sluice.webtools.errors import WebError
 from sluice.webtools.store import SourceStore, default_owner, default_store
 from sluice.webtools.window import (DEFAULT_MAX_CHARS, check_window_args, envelope, paging_note, window)
@@ -87,13 +87,8 @@ def fetch(url: str, offset: int = 0, max_chars: int = DEFAULT_MAX_CHARS, *, clie
           store: SourceStore | None = None, owner: str | None = None) -> dict:
     try:
         check_window_args(offset, max_chars)
-        own = client is None
-        client = client or WebClient(limits=Limits.from_env())
-        try:
+        with call_client(client) as client:
             fetched = client.get(url, classify=_fetch_plan(client.limits))
-        finally:
-            if own:
-                client.close()
         if fetched.mime in IMAGE_TYPES or fetched.mime == PDF_TYPE:
             return _binary(fetched)
         if fetched.mime in HTML_TYPES:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import hashlib
 
-from sluice.webtools.client import Fetched, Limits, ReadPlan, WebClient
+from sluice.webtools.client import Fetched, ReadPlan, WebClient, call_client
 from sluice.webtools.errors import WebError
 from sluice.webtools.fetch import HTML_TYPES, status_not_ok
 
@@ -22,9 +22,6 @@ MAX_TEXT_CHARS = 100_000
 
 def read(url: str, *, client: WebClient | None = None, max_text_chars: int = MAX_TEXT_CHARS) -> dict:
     try:
-        own = client is None
-        client = client or WebClient(limits=Limits.from_env())
-
         def classify(f: Fetched) -> ReadPlan:
             if not 200 <= f.status < 300:
                 raise status_not_ok(f)
@@ -34,11 +31,8 @@ def read(url: str, *, client: WebClient | None = None, max_text_chars: int = MAX
                                content_type=f.content_type, url=f.url, final_url=f.final_url)
             return ReadPlan(client.limits.text_bytes)
 
-        try:
+        with call_client(client) as client:
             fetched = client.get(url, classify=classify)
-        finally:
-            if own:
-                client.close()
         from sluice.webtools.convert import visible_text
 
         title, text = visible_text(fetched.body, encoding=fetched.charset)

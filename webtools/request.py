@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import hashlib
 
-from sluice.webtools.client import Fetched, Limits, ReadPlan, WebClient
+from sluice.webtools.client import Fetched, ReadPlan, WebClient, call_client
 from sluice.webtools.errors import WebError
 from sluice.webtools.fetch import decode_text, is_text_type
 
@@ -45,9 +45,6 @@ def request(url: str, method: str = "GET", headers: dict | None = None, *, clien
             raise WebError("web_method_not_allowed", f"the method {method!r} is not allowed: request sends GET only",
                            method=str(method))
         send = check_headers(headers)
-        own = client is None
-        client = client or WebClient(limits=Limits.from_env())
-        cap = min(client.limits.text_bytes, max(max_body_bytes, 0))
 
         def classify(f: Fetched) -> ReadPlan | None:
             empty = f.status in (204, 304) or f.headers.get("content-length") == "0"
@@ -58,11 +55,9 @@ def request(url: str, method: str = "GET", headers: dict | None = None, *, clien
             # Read up to the transport cap, so an over-cap body still gets its bytes and sha256.
             return ReadPlan(client.limits.text_bytes)
 
-        try:
+        with call_client(client) as client:
             fetched = client.get(url, classify=classify, headers=send)
-        finally:
-            if own:
-                client.close()
+        cap = min(client.limits.text_bytes, max(max_body_bytes, 0))
         size, digest = len(fetched.body), fetched.sha256
         if size > cap:
             raise WebError("web_body_too_large", f"the body of {fetched.final_url} is {size:,} bytes, more than one "

@@ -42,7 +42,7 @@ import time
 from dataclasses import dataclass
 from urllib.parse import parse_qs, parse_qsl, urlencode, urlsplit, urlunsplit
 
-from sluice.webtools.client import Fetched, Limits, ReadPlan, WebClient, first_line_refusal
+from sluice.webtools.client import Fetched, ReadPlan, WebClient, call_client, first_line_refusal
 from sluice.webtools.errors import WebError
 from sluice.policy.urls import split_url
 
@@ -496,13 +496,8 @@ def search(query: str, count: int = DEFAULT_COUNT, provider: str | None = None, 
         if name == "none":
             raise WebError("search_not_configured", NOT_CONFIGURED, provider="none")
         call = Call(name, read_key(env, name), KEY_VARS.get(name), env)
-        own = client is None
-        client = client or WebClient(limits=Limits.from_env())
-        try:
+        with call_client(client) as client:
             raw = ADAPTERS[name](client, call, query, count)
-        finally:
-            if own:
-                client.close()
         return finish(name, query, raw, count)
     except WebError as e:
         return e.as_dict()

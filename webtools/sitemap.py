@@ -22,7 +22,7 @@ from xml.etree.ElementTree import ParseError
 import defusedxml
 import defusedxml.ElementTree as SafeET
 
-from sluice.webtools.client import Fetched, Limits, ReadPlan, WebClient, _Over, _ZlibStage
+from sluice.webtools.client import Fetched, ReadPlan, WebClient, _Over, _ZlibStage, call_client
 from sluice.webtools.errors import WebError
 from sluice.webtools.fetch import status_not_ok
 
@@ -104,9 +104,6 @@ def parse_sitemap(data: bytes, *, where: str = "the document", result_cap: int =
 
 def sitemap(url: str, *, client: WebClient | None = None, result_cap: int = RESULT_CAP) -> dict:
     try:
-        own = client is None
-        client = client or WebClient(limits=Limits.from_env())
-
         def classify(f: Fetched) -> ReadPlan:
             if not 200 <= f.status < 300:
                 raise status_not_ok(f)
@@ -115,11 +112,8 @@ def sitemap(url: str, *, client: WebClient | None = None, result_cap: int = RESU
                                content_type=f.content_type, url=f.url, final_url=f.final_url)
             return ReadPlan(client.limits.sitemap_bytes)
 
-        try:
+        with call_client(client) as client:
             fetched = client.get(url, classify=classify)
-        finally:
-            if own:
-                client.close()
         parsed = parse_sitemap(fetched.body, where=fetched.final_url, result_cap=result_cap,
                                max_bytes=client.limits.sitemap_bytes)
         return {"kind": parsed.pop("kind"), "url": fetched.url, "final_url": fetched.final_url, **parsed}
