@@ -230,6 +230,19 @@ class VhostOrigin:
 # ---------------------------------------------------------------- clients
 
 
+def start_vhost_origin(tls_ca, fake_dns) -> "VhostOrigin":
+    """The two-vhost origin of the interception tests, started: a, b and c
+    resolve to ORIGIN_IP; b is the default virtual host, as an nginx
+    default_server would be."""
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    # Explicit names: OpenSSL never matches the session certificate's
+    # "*.example" (a wildcard over a single-label suffix) when mitmproxy
+    # verifies the upstream.
+    tls_ca.ca.issue_cert(A, B, C).configure_cert(ctx)
+    for name in (A, B, C):
+        fake_dns.set(name, a=[ORIGIN_IP], ttl=300)
+    return VhostOrigin(ORIGIN_IP, TLS_PORT, PLAIN_PORT, ctx, default_vhost=B).start()
+
 def mode_port(mode: str) -> int:
     return TLS_PORT if mode.endswith("-tls") else PLAIN_PORT
 

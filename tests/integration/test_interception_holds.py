@@ -40,6 +40,7 @@ import yaml
 from harness import curl, default_policy, http_request
 from harness.vhosts import (
     A, B, C, MODES, ORIGIN_IP, PLAIN_PORT, TLS_PORT, VhostOrigin, exchange, mode_port, mode_scheme, open_tunnel,
+    start_vhost_origin,
 )
 
 pytestmark = pytest.mark.netns
@@ -55,14 +56,7 @@ FAST_POLL = ("--set", "sluice_policy_poll=0.2")
 
 @pytest.fixture(scope="module")
 def origin(net, tls_ca, fake_dns):
-    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    # Explicit names: OpenSSL never matches the session certificate's
-    # "*.example" (a wildcard over a single-label suffix) when mitmproxy
-    # verifies the upstream.
-    tls_ca.ca.issue_cert(A, B, C).configure_cert(ctx)
-    for name in (A, B, C):
-        fake_dns.set(name, a=[ORIGIN_IP], ttl=300)
-    server = VhostOrigin(ORIGIN_IP, TLS_PORT, PLAIN_PORT, ctx, default_vhost=B).start()
+    server = start_vhost_origin(tls_ca, fake_dns)
     yield server
     server.stop()
 

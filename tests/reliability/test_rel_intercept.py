@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import json
 import re
-import ssl
 from pathlib import Path
 
 import pytest
@@ -36,6 +35,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from harness import default_policy
 from harness.vhosts import (
     A, B, C, MODES, ORIGIN_IP, PLAIN_PORT, TLS_PORT, VhostOrigin, exchange, mode_port, mode_scheme, open_tunnel,
+    start_vhost_origin,
 )
 from relkit import scaled
 
@@ -90,11 +90,7 @@ def attacks(draw) -> tuple[str, list[bytes], float]:
 
 @pytest.fixture(scope="module")
 def origin(net, tls_ca, fake_dns):
-    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    tls_ca.ca.issue_cert(A, B, C).configure_cert(ctx)
-    for name in (A, B, C):
-        fake_dns.set(name, a=[ORIGIN_IP], ttl=300)
-    server = VhostOrigin(ORIGIN_IP, TLS_PORT, PLAIN_PORT, ctx, default_vhost=B).start()
+    server = start_vhost_origin(tls_ca, fake_dns)
     yield server
     server.stop()
 
