@@ -177,6 +177,21 @@ def _error_blocks(text: str) -> list[str]:
     return ["\n".join(b) for b in blocks]
 
 
+def _settled_stderr(proxy, mark: int, quiet: float = 0.3, limit: float = 10.0) -> str:
+    """The proxy's stderr since `mark` once it has stopped growing: a crash
+    record still arriving through the pipe (the client already saw its
+    connection close) would otherwise be judged half-written."""
+    deadline = time.monotonic() + limit
+    text = proxy.stderr_since(mark)
+    while time.monotonic() < deadline:
+        time.sleep(quiet)
+        later = proxy.stderr_since(mark)
+        if later == text:
+            break
+        text = later
+    return text
+
+
 def _is_mitmproxy_connection_crash(block: str) -> bool:
     """mitmproxy's own per-connection crash handler caught an assertion in its
     layer code (see test_pipelined_connect_then_half_close_is_contained):
@@ -193,7 +208,7 @@ def _is_mitmproxy_connection_crash(block: str) -> bool:
 
 def _check_proxy_after(proxy, stderr_mark: int, audit_mark: int, *, connection_crashes_ok: bool = False) -> None:
     assert proxy.alive(), f"the proxy died:\n{proxy.stderr_text(tail=60)}"
-    unknown = [b for b in _error_blocks(proxy.stderr_since(stderr_mark))
+    unknown = [b for b in _error_blocks(_settled_stderr(proxy, stderr_mark))
                if any(m in b for m in ("Traceback", "Addon error", "Error in", "Exception", "Unhandled", "crashed"))
                and not (connection_crashes_ok and _is_mitmproxy_connection_crash(b))]
     assert not unknown, "the proxy logged errors:\n" + "\n".join(unknown)[-6000:]
@@ -300,7 +315,7 @@ def test_pipelined_connect_then_half_close_is_contained(fuzz_proxy, net):
             s.shutdown(socket.SHUT_WR)
             while s.recv(65536):
                 pass
-    crashes = [b for b in _error_blocks(proxy.stderr_since(mark)) if "crashed" in b]
+    crashes = [b for b in _error_blocks(_settled_stderr(proxy, mark)) if "crashed" in b]
     print(f"{len(crashes)} of 30 connections logged 'mitmproxy has crashed!'")
     assert all(_is_mitmproxy_connection_crash(b) for b in crashes), crashes
     _check_proxy_after(proxy, mark, proxy.audit_mark(), connection_crashes_ok=True)
