@@ -50,7 +50,7 @@ from sluice.addons import connections, mitm_patches
 from sluice.addons.audit import AuditLog, peer, quote_client
 from sluice.addons.refusals import REASON_HEADER, error_bytes, error_response, refusal_body, refusal_bytes, refusal_response
 from sluice.addons.verdict import Verdict, verdict_of
-from sluice.policy.decide import Decision
+from sluice.policy.decide import ALLOWED_SCHEMES, Decision, scheme_refusal
 from sluice.policy.reasons import Reason, Refusal
 
 # flow.metadata key: mitmproxy found the request invalid (its message) and answers 400 itself.
@@ -147,7 +147,7 @@ class ConnectionAudit:
             self._answer(flow.client_conn, verdict.decision.refusal, verdict)
             verdict.wire_status = verdict.decision.refusal.status
             return
-        refusal = Refusal(Reason.BAD_REQUEST, f"mitmproxy refused the request as malformed HTTP: {_validation_error(message)}")
+        refusal = Refusal(Reason.BAD_REQUEST, f"the request is malformed HTTP: {_validation_error(message)}")
         self._answer(flow.client_conn, refusal, verdict)
         if verdict is None:  # a CONNECT (the gate decides those later) or a request it never saw
             request = flow.request
@@ -244,7 +244,7 @@ class ConnectionAudit:
             self._answered.pop(client.id, None)  # no flow follows: this is its line
             refusal = _bad_head(message, in_tunnel)
             self.audit.write(event="request", client=peer(client), decision="refuse", reason=refusal.reason.value,
-                             status=400, detail=refusal.detail)
+                             status=refusal.status, detail=refusal.detail)
         elif kind == mitm_patches.HTTP_NO_DESTINATION and request is not None and request.data.method == b"PRI" \
                 and request.data.http_version == b"HTTP/2.0":
             # The HTTP/2 connection preface (h2c with prior knowledge), read as a request.
@@ -261,11 +261,20 @@ class ConnectionAudit:
                              decision="refuse", reason=refusal.reason.value, status=400, detail=refusal.detail)
 
 
+# mitmproxy's parse error for a request line naming a scheme it has no default
+# port for (`GET ftp://host/ HTTP/1.1`): the scheme, not the syntax, is the problem.
+_OTHER_SCHEME_LINE = re.compile(r"""^Bad HTTP request line: b['"][!-~]+ ([A-Za-z][A-Za-z0-9+.\-]{0,30})://""")
+
+
 def _bad_head(message: str, in_tunnel: bool) -> Refusal:
-    """A request head mitmproxy cannot parse (it answers 400 with no flow)."""
+    """A request head mitmproxy cannot parse (it answers 400 with no flow).
+    The sentence is about the request; it never names mitmproxy."""
     if in_tunnel:
         return Refusal(Reason.NOT_HTTP, f"inside an intercepted tunnel, bytes that are not an HTTP request: {quote_client(message)}")
-    return Refusal(Reason.BAD_REQUEST, f"a request head mitmproxy cannot parse: {quote_client(message)}")
+    scheme = _OTHER_SCHEME_LINE.match(message)
+    if scheme and scheme.group(1).lower() not in ALLOWED_SCHEMES:
+        return scheme_refusal(scheme.group(1))
+    return Refusal(Reason.BAD_REQUEST, f"the request head is not valid HTTP/1.1: {quote_client(message)}")
 
 
 def _top_note() -> str | None:

@@ -19,6 +19,12 @@ _PROXY_STATUS_ERRORS = {
     Reason.RESPONSE_TOO_LARGE: "http_response_content_length",
     Reason.REQUEST_TOO_LARGE: "http_request_error",
     Reason.CLIENT_UNKNOWN: "http_request_denied",
+    # The request itself is at fault, not the destination.
+    Reason.BAD_REQUEST: "http_request_error",
+    Reason.NOT_HTTP: "http_request_error",
+    Reason.CLIENT_PROTOCOL_REFUSED: "http_request_error",
+    Reason.SCHEME_NOT_ALLOWED: "http_request_error",
+    Reason.PROXY_LOOP: "proxy_loop_detected",
 }
 
 

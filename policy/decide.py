@@ -57,11 +57,18 @@ def _refuse(reason: Reason, detail: str, host: Host | None = None, rule: Rule | 
     return Decision(False, host, Refusal(reason, detail, rule.origin if rule else None), **kw)
 
 
+def scheme_refusal(scheme: str) -> Refusal:
+    """The refusal of a URL scheme Sluice does not carry (ftp:, gopher:, ...),
+    whether the gate or the request-line parser met it first."""
+    return Refusal(Reason.SCHEME_NOT_ALLOWED,
+                   f"Sluice carries http and https (https through CONNECT); {scheme.lower()} is not proxied")
+
+
 def check_request(rules: Rules, dest: Destination) -> Decision:
     """Everything decidable before DNS. Returns a final Decision, or one with
     needs_dns=True for a name that must be resolved and passed to check_answers."""
     if dest.scheme is not None and dest.scheme.lower() not in ALLOWED_SCHEMES:
-        return _refuse(Reason.SCHEME_NOT_ALLOWED, f"the scheme {dest.scheme!r} is not allowed; only http and https are")
+        return Decision(False, None, scheme_refusal(dest.scheme))
     if dest.has_credentials:
         return _refuse(Reason.URL_CREDENTIALS, "URLs with user:password@ credentials are not allowed; send credentials in headers instead")
     try:

@@ -64,7 +64,7 @@ REASONS: dict[Reason, ReasonInfo] = {
     Reason.DNS_ANSWER_NOT_PUBLIC: ReasonInfo(403, "the name resolved (directly or through a CNAME) to at least one non-public address"),
     Reason.DNS_FAILED: ReasonInfo(502, "the name could not be resolved; Sluice fails closed. No such name (NXDOMAIN) or no address: retrying will not help. A timeout or SERVFAIL may be transient: retrying later is reasonable"),
     Reason.PORT_NOT_ALLOWED: ReasonInfo(403, "the destination port is not in the policy's `ports`"),
-    Reason.SCHEME_NOT_ALLOWED: ReasonInfo(403, "only http and https URLs may pass"),
+    Reason.SCHEME_NOT_ALLOWED: ReasonInfo(403, "only http and https URLs may pass (https through CONNECT); Sluice proxies no other protocol"),
     Reason.URL_CREDENTIALS: ReasonInfo(403, "the URL carries user:password@ credentials"),
     Reason.HOST_DENIED: ReasonInfo(403, "the host matches a `deny` rule"),
     Reason.HOST_NOT_ALLOWED: ReasonInfo(403, "the policy has an `allow` list and the host is not on it"),
@@ -83,7 +83,7 @@ REASONS: dict[Reason, ReasonInfo] = {
     Reason.CLIENT_PROTOCOL_REFUSED: ReasonInfo(400, "the client spoke something the proxy port does not accept: TLS or HTTP/2 to the proxy itself, SOCKS4, SOCKS5 BIND or UDP ASSOCIATE"),
     Reason.UPGRADE_REFUSED: ReasonInfo(403, "a protocol upgrade other than WebSocket (`Upgrade:` / `101 Switching Protocols`)"),
     Reason.NOT_HTTP: ReasonInfo(400, "inside an intercepted tunnel the client sent bytes that are not an HTTP request; intercepted tunnels carry only HTTP"),
-    Reason.BAD_REQUEST: ReasonInfo(400, "the request is malformed HTTP (e.g. both Content-Length and Transfer-Encoding); mitmproxy refused to parse it"),
+    Reason.BAD_REQUEST: ReasonInfo(400, "the request is malformed HTTP (an unparseable request line or header, both Content-Length and Transfer-Encoding, no Host, ...)"),
     Reason.HEADERS_TOO_LARGE: ReasonInfo(431, "the request head is over `limits.max_header_bytes` or has more than `limits.max_header_count` fields"),
     Reason.HEADER_TIMEOUT: ReasonInfo(408, "the request head did not arrive whole within `limits.header_timeout`"),
     Reason.AUTH_THROTTLED: ReasonInfo(407, "too many wrong proxy passwords from this address or for this user, or too many password checks waiting; retry after the `Retry-After` seconds"),
@@ -113,10 +113,26 @@ DNS_TRANSIENT_ADVICE = (
 DNS_NO_NAME_ADVICE = (
     "The name does not resolve, so retrying will not help: check the host name."
 )
+# bad_request: the request itself is broken, not refused by the policy.
+BAD_REQUEST_ADVICE = (
+    "The request is not valid HTTP/1.1, so no policy was applied to it: fix the "
+    "request (its request line, headers or body framing); sending it unchanged "
+    "gets the same answer."
+)
+# scheme_not_allowed: a protocol Sluice does not carry, whatever the policy.
+SCHEME_ADVICE = (
+    "Use an http or https URL for this resource; retrying this one will not help."
+)
 # shutdown: the proxy stopped, not the policy.
 SHUTDOWN_ADVICE = (
     "The proxy is shutting down, not refusing by policy: retrying shortly is reasonable."
 )
+# What to do after a refusal whose cause is not the policy (the default is POLICY_SUFFIX).
+REASON_ADVICE: dict[Reason, str] = {
+    Reason.BAD_REQUEST: BAD_REQUEST_ADVICE,
+    Reason.SCHEME_NOT_ALLOWED: SCHEME_ADVICE,
+    Reason.SHUTDOWN: SHUTDOWN_ADVICE,
+}
 # The longest operator sentence (the policy's `refusal_note`) a refusal carries.
 MAX_NOTE_CHARS = 300
 
@@ -127,7 +143,7 @@ class Refusal:
     detail: str  # what was refused and why, e.g. "169.254.169.254 is link-local (cloud metadata)"
     rule: str | None = None  # where the deciding rule lives (file:line), when a rule decided
     retry_after: int | None = None  # seconds, sent as Retry-After (throttling refusals)
-    advice: str | None = None  # what to do, instead of POLICY_SUFFIX (e.g. a DNS failure that may pass)
+    advice: str | None = None  # what to do, instead of REASON_ADVICE / POLICY_SUFFIX (e.g. a DNS failure that may pass)
     note: str | None = None  # the operator's own sentence (the policy's `refusal_note`), appended last
 
     @property
@@ -140,7 +156,8 @@ class Refusal:
             # Throttling is transient by design: say when to retry instead.
             text = f"Sluice refused this request: {self.detail}. Retry after {self.retry_after} s."
         else:
-            text = f"Sluice refused this request: {self.detail}. {self.advice or POLICY_SUFFIX}"
+            advice = self.advice or REASON_ADVICE.get(self.reason, POLICY_SUFFIX)
+            text = f"Sluice refused this request: {self.detail}. {advice}"
         return f"{text} {self.note}" if self.note else text
 
     def with_note(self, note: str | None) -> Refusal:
