@@ -20,7 +20,9 @@ writes its values to PROMETHEUS_MULTIPROC_DIR (prometheus_client's
 multiprocess mode) and the supervisor serves the sum (`workers_registry`).
 Label values are bounded: reasons are the fixed codes, profiles the policy's
 names, events and decisions a handful of words. Hosts are not labels (top
-refused hosts are in the audit log).
+refused hosts are in the audit log). Counters whose label values are fixed
+(reloads and DNS lookups by result, caps by kind) show every value at 0
+from the start.
 """
 
 from __future__ import annotations
@@ -73,6 +75,21 @@ OPEN_TUNNELS = Gauge("sluice_open_tunnels", "Tunnels open now (sampled each seco
 
 SAMPLE_SECONDS = 1.0
 
+# The label values known before anything happens: each is a series at 0 from
+# the first scrape, so rate() and alerts on them (a failed reload, a cap)
+# work from the start, not only after the first occurrence. Labels that
+# depend on traffic or the policy (profiles, reasons by event) appear when
+# first seen.
+RESULTS = ("ok", "failed")
+
+
+def initialise_known_labels() -> None:
+    for result in RESULTS:
+        RELOADS.labels(result)
+        DNS_LOOKUP.labels(result)
+    for reason in sorted(CAP_REASONS):
+        CAPS.labels(reason.value)
+
 
 class ResolverMetrics:
     """The resolver's observer (addons/resolver.py): decision and DNS timings."""
@@ -99,6 +116,7 @@ class Metrics:
         self._sampler: asyncio.Task | None = None
         audit.listeners.append(self.observe)
         resolver.set_observer(ResolverMetrics())
+        initialise_known_labels()
 
     # ---- the audit records ------------------------------------------------
 

@@ -132,6 +132,36 @@ MAPPING = textwrap.dedent("""
 """)
 
 
+FRESH = textwrap.dedent("""
+    import json
+    from types import SimpleNamespace
+    from prometheus_client import REGISTRY
+    from sluice.addons.audit import AuditLog
+    from sluice.addons.metrics import Metrics
+
+    Metrics(AuditLog(), SimpleNamespace(current=None), lambda: [])
+    out = [[s.name, s.labels, s.value] for family in REGISTRY.collect() for s in family.samples
+           if s.name.startswith("sluice_")]
+    print(json.dumps(out))
+""")
+
+
+def test_known_label_values_are_series_before_anything_happened():
+    # rate(sluice_policy_reloads_total{result="failed"}[5m]) must be 0, not
+    # "no data", on a proxy that has never reloaded.
+    from sluice.addons.metrics import CAP_REASONS
+
+    env = {k: v for k, v in os.environ.items() if k != "PROMETHEUS_MULTIPROC_DIR"}
+    samples = json.loads(subprocess.run([sys.executable, "-c", FRESH], capture_output=True, text=True, check=True,
+                                        env=env, timeout=60).stdout)
+    present = {(name, json.dumps(labels, sort_keys=True)): value for name, labels, value in samples}
+    for result in ("ok", "failed"):
+        assert present.get(("sluice_policy_reloads_total", json.dumps({"result": result}))) == 0, samples
+        assert present.get(("sluice_dns_lookup_seconds_count", json.dumps({"result": result}))) == 0, samples
+    for reason in CAP_REASONS:
+        assert present.get(("sluice_caps_tripped_total", json.dumps({"kind": reason.value}))) == 0, reason
+
+
 def test_audit_records_become_metrics(tmp_path):
     # A fresh interpreter: the metrics live in the process's default registry.
     env = {k: v for k, v in os.environ.items() if k != "PROMETHEUS_MULTIPROC_DIR"}
