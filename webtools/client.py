@@ -27,7 +27,11 @@ provider keys) are sent only to that origin (scheme, host and port). No
 cookies are kept (the jar refuses every cookie), no scripts run, nothing else
 is loaded.
 
-Caps. A deadline for the whole exchange (20 s), and per kind a byte cap that
+Caps. A deadline for the whole exchange (20 s, SLUICE_WEB_TIMEOUT): connect,
+head and body, every redirect hop included, whatever the origin does. A
+watchdog (webtools.deadline) shuts the exchange's sockets down at the
+deadline, so an origin dripping a byte at a time (head, body or chunks) is
+cut there and the call is `web_timeout`. And per kind a byte cap that
 applies to the body as decoded, checked while it streams: identity bodies are
 never read past the cap; compressed ones (gzip, deflate, br, zstd) are
 inflated in bounded steps, never past the cap, so a bomb costs at most the
@@ -57,6 +61,7 @@ from sluice.policy.hosts import HostError, IPHost, NameHost, internal_name, pars
 from sluice.policy.ranges import classify
 from sluice.policy.reasons import REASONS, POLICY_SUFFIX, Reason, Refusal
 from sluice.policy.urls import resolve_redirect, split_url
+from sluice.webtools.deadline import WATCHDOG, StreamGuard
 from sluice.webtools.errors import WebError
 
 MIB = 1024 * 1024
@@ -384,6 +389,8 @@ class WebClient:
             client = httpx.Client(
                 proxy=proxy, verify=ssl_context(self.env), trust_env=False, follow_redirects=False,
                 timeout=httpx.Timeout(self.limits.timeout), http2=False,
+                # No connection is reused, so every exchange's socket is a new one the watchdog sees.
+                limits=httpx.Limits(max_keepalive_connections=0),
                 headers={"User-Agent": USER_AGENT, "Accept-Encoding": ACCEPT_ENCODING},
             )
             client.cookies.jar.set_policy(DefaultCookiePolicy(allowed_domains=[]))  # keep no cookies
@@ -432,6 +439,21 @@ class WebClient:
 
     def _one(self, url: str, current: str, headers: dict, classify: Classifier, deadline: float,
              method: str = "GET", content: bytes | None = None) -> Fetched | tuple[str, int]:
+        """One exchange, under the watchdog: at the deadline its sockets are
+        shut down, whatever read is waiting, and the call is web_timeout."""
+        guard = StreamGuard(deadline)
+        WATCHDOG.watch(guard)
+        try:
+            return self._exchange(url, current, headers, classify, deadline, method, content, guard)
+        except (WebError, httpx.HTTPError) as e:
+            if guard.expired and getattr(e, "code", None) != "web_timeout":
+                raise _timeout(url, self.limits.timeout) from None  # whatever the cut made the read raise
+            raise
+        finally:
+            guard.release()
+
+    def _exchange(self, url: str, current: str, headers: dict, classify: Classifier, deadline: float,
+                  method: str, content: bytes | None, guard: StreamGuard) -> Fetched | tuple[str, int]:
         scheme = current.split(":", 1)[0].lower()
         client = self._client(proxy_for(scheme, self.env))
         remaining = deadline - time.monotonic()
@@ -440,6 +462,7 @@ class WebClient:
         try:
             request = client.build_request(method, current, headers=headers, content=content,
                                            timeout=httpx.Timeout(remaining))
+            request.extensions["trace"] = guard.trace  # hands each new socket to the watchdog
             response = client.send(request, stream=True)
         except WebError:
             raise
@@ -487,7 +510,7 @@ class WebClient:
         body = bytearray()
         wire = 0
         try:
-            for chunk in response.iter_raw(65536):
+            for chunk in response.iter_raw():  # each read as it comes: a drip still reaches the check below
                 if time.monotonic() > deadline:
                     raise _timeout(url, self.limits.timeout)
                 try:
