@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from sluice.webtools.sanitize import FIELD_CHARS, MESSAGE_CHARS, clean
+
 # code -> what it means (one line, for the README table and tool descriptions)
 ERRORS: dict[str, str] = {
     "web_no_proxy": "no proxy is configured (SLUICE_PROXY, or HTTPS_PROXY/HTTP_PROXY/ALL_PROXY by scheme); the tools never connect directly",
@@ -26,6 +28,8 @@ ERRORS: dict[str, str] = {
     "web_too_large": "the body is over the cap for its kind (`limit` bytes; `decoded: true` when the cap was reached inflating a compressed body); nothing was truncated",
     "web_unsupported_encoding": "the response uses a Content-Encoding the tools cannot decode (named)",
     "web_unsupported_type": "fetch cannot hand this content type to a model (named); refused before the body was read",
+    "web_type_mismatch": "an image or PDF whose bytes are not of its declared type (`content_type`; `looks_like` says what they look like); nothing of it is returned",
+    "web_busy": "the MCP server is already running its limit of calls at once (SLUICE_WEB_CONCURRENCY, 8 by default); try again when one has answered",
     "web_status_not_ok": "the origin answered with a status outside 2xx (`status`)",
     "web_bad_offset": "offset is not a non-negative whole number",
     "web_offset_past_end": "offset is past the end of the page (`total_chars`)",
@@ -62,7 +66,11 @@ class WebError(Exception):
         self.fields = fields
 
     def as_dict(self) -> dict[str, Any]:
-        return {"error": {"code": self.code, "message": self.message, **self.fields}}
+        """The error dict, its message and string fields through the one
+        sanitiser (webtools.sanitize): they embed web-derived values (URLs,
+        Location headers, provider messages) and are printed as Sluice's words."""
+        fields = {k: clean(v, FIELD_CHARS) if isinstance(v, str) else v for k, v in self.fields.items()}
+        return {"error": {"code": self.code, "message": clean(self.message, MESSAGE_CHARS), **fields}}
 
 
 def is_error(result: dict) -> bool:

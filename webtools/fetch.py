@@ -5,8 +5,9 @@ fetch(url, offset=0, max_chars=40000) reads a page through the proxy (up to
 content as markdown (webtools.convert), keeps plain text, markdown, JSON and
 XML as they are, stores the result as a source owned by the caller, and
 returns one window of it. Images (jpeg, png, gif, webp; <= 5 MiB) and PDFs
-(<= 10 MiB) come back whole as base64 `data`, never truncated; other types
-are refused from the headers, before the body is read.
+(<= 10 MiB) come back whole as base64 `data`, never truncated, once their
+magic bytes match the declared type (webtools.sniff; `web_type_mismatch`
+otherwise); other types are refused from the headers, before the body is read.
 
 source_read(source_id, offset=0, max_chars=40000) returns a window of a page
 fetched earlier by the same owner, from the store, with no request.
@@ -15,12 +16,14 @@ fetched earlier by the same owner, from the store, with no request.
 from __future__ import annotations
 
 import base64
-import codecs
 import hashlib
 from datetime import datetime, timezone
 
+from sluice.webtools import charsets
 from sluice.webtools.client import Fetched, Limits, ReadPlan, WebClient, call_client
 from sluice.webtools.errors import WebError
+from sluice.webtools.sniff import check_signature
+from sluice.webtools.sanitize import TITLE_CHARS, URL_CHARS, clean, clean_optional, media_type
 from sluice.webtools.store import SourceStore, default_owner, default_store
 from sluice.webtools.window import (DEFAULT_MAX_CHARS, check_window_args, envelope, paging_note, window)
 
@@ -43,17 +46,10 @@ def is_text_type(mime: str) -> bool:
 
 
 def decode_text(body: bytes, charset: str | None) -> str:
-    """Bytes -> str: a BOM wins, then the declared charset, then UTF-8;
-    undecodable bytes become U+FFFD."""
-    for bom, name in ((codecs.BOM_UTF8, "utf-8"), (codecs.BOM_UTF16_LE, "utf-16-le"), (codecs.BOM_UTF16_BE, "utf-16-be")):
-        if body.startswith(bom):
-            return body[len(bom):].decode(name, "replace")
-    if charset:
-        try:
-            return body.decode(codecs.lookup(charset).name, "replace")
-        except LookupError:
-            pass
-    return body.decode("utf-8", "replace")
+    """Bytes -> str as a browser decodes them (webtools.charsets): a BOM wins, then
+    the declared charset if it is a WHATWG label, then UTF-8; undecodable bytes
+    become U+FFFD. Never raises (`charset=undefined` or `idna` is UTF-8)."""
+    return charsets.decode(body, charset)
 
 
 def now_rfc3339() -> str:
@@ -79,7 +75,7 @@ def _fetch_plan(limits: Limits):
         hint = ("only JPEG, PNG, GIF and WebP images are passed to a model" if f.mime.startswith("image/")
                 else "fetch reads HTML, text, markdown, JSON, XML, images (JPEG, PNG, GIF, WebP) and PDF")
         raise WebError("web_unsupported_type", f"{f.final_url} is of type {shown}, which fetch does not read: {hint}; "
-                       "the body was not downloaded", content_type=f.content_type, url=f.url, final_url=f.final_url)
+                       "the body was not downloaded", content_type=media_type(f.content_type), url=f.url, final_url=f.final_url)
     return classify
 
 
@@ -90,6 +86,7 @@ def fetch(url: str, offset: int = 0, max_chars: int = DEFAULT_MAX_CHARS, *, clie
         with call_client(client) as client:
             fetched = client.get(url, classify=_fetch_plan(client.limits))
         if fetched.mime in IMAGE_TYPES or fetched.mime == PDF_TYPE:
+            check_signature(fetched.mime, fetched.body, fetched.final_url)  # an "image" of HTML is refused
             return _binary(fetched)
         if fetched.mime in HTML_TYPES:
             from sluice.webtools.convert import html_to_markdown
@@ -103,7 +100,10 @@ def fetch(url: str, offset: int = 0, max_chars: int = DEFAULT_MAX_CHARS, *, clie
             "content_type": fetched.content_type, "title": title, "needs_javascript": needs_js,
             "truncated": fetched.truncated, "captured_at": now_rfc3339(), "content": content,
         }
+        source.update(header_values(source))
         store = store or default_store()
+        # put() may cut content to the per-source cap (and mark it): the
+        # window is then over what was stored, as source_read will see it.
         source["source_id"] = store.put(default_owner() if owner is None else owner, source)
         return page_result(source, offset, max_chars)
     except WebError as e:
@@ -124,7 +124,19 @@ def source_read(source_id: str, offset: int = 0, max_chars: int = DEFAULT_MAX_CH
         return e.as_dict()
 
 
+def header_values(r: dict) -> dict:
+    """The values a header line shows, bounded and sanitised (webtools.sanitize):
+    URLs and title one clean line (the title cut to 300 characters), the
+    content type as type/subtype only."""
+    out = {"url": clean(r["url"], URL_CHARS), "final_url": clean(r["final_url"], URL_CHARS),
+           "content_type": media_type(r["content_type"])}
+    if "title" in r:
+        out["title"] = clean_optional(r["title"], TITLE_CHARS)
+    return out
+
+
 def page_result(source: dict, offset: int, max_chars: int) -> dict:
+    source = {**source, **header_values(source)}
     try:
         w = window(source["content"], offset, max_chars)
     except WebError as e:
@@ -144,6 +156,7 @@ def page_result(source: dict, offset: int, max_chars: int) -> dict:
         "end": w["end"],
         "next_offset": w["next_offset"],
         "truncated": source["truncated"],
+        "store_truncated": source.get("store_truncated", False),
         "needs_javascript": source["needs_javascript"],
         "content": w["content"],
     }
@@ -160,7 +173,10 @@ def page_text(r: dict) -> str:
     note = paging_note(r)
     if note:
         lines.append(note)
-    if r["truncated"]:
+    if r.get("store_truncated"):
+        lines.append("[truncated: the converted page was longer than the source store keeps for one source; "
+                     "only its start was kept]")
+    elif r["truncated"]:
         lines.append("[truncated: the page was longer than the read cap (2 MiB by default); only its start was read]")
     if r["needs_javascript"]:
         lines.append("[this page needs JavaScript: it is an app shell with almost no text, and no scripts run here; "
@@ -173,10 +189,10 @@ def _binary(f: Fetched) -> dict:
     kind = "pdf" if f.mime == PDF_TYPE else "image"
     return {
         "kind": kind,
-        "url": f.url,
-        "final_url": f.final_url,
+        "url": clean(f.url, URL_CHARS),
+        "final_url": clean(f.final_url, URL_CHARS),
         "status": f.status,
-        "content_type": f.mime,
+        "content_type": media_type(f.mime),
         "bytes": len(f.body),
         "sha256": hashlib.sha256(f.body).hexdigest(),
         "data": base64.b64encode(f.body).decode("ascii"),

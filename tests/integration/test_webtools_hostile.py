@@ -61,10 +61,17 @@ class DripOrigin:
                         await asyncio.start_server(self._handle, ORIGIN, TLS, ssl=self.server_ctx)]
 
     def stop(self):
-        for server in self.servers:
-            self.loop.call_soon_threadsafe(server.close)
+        asyncio.run_coroutine_threadsafe(self._stop(), self.loop).result(10)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(5)
+
+    async def _stop(self):
+        for server in self.servers:
+            server.close()
+        drips = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for task in drips:  # a drip the proxy still holds open would outlive the loop
+            task.cancel()
+        await asyncio.gather(*drips, return_exceptions=True)
 
     async def _drip(self, writer, data: bytes) -> None:
         for i in range(len(data)):
@@ -160,3 +167,19 @@ def test_a_quick_answer_after_a_timeout_is_unaffected(env):
         # The same client: its next exchange is a new connection, answered in full.
         assert request(f"{TLS_BASE}/text.txt", client=client)["body"] == "plain text"
         assert request(f"{BASE}/text.txt", client=client)["body"] == "plain text"
+
+
+# ------------------------------------------------------------------ item 9: sniffing
+
+@pytest.mark.parametrize("base", [BASE, TLS_BASE], ids=["http", "https"])
+def test_a_body_that_is_not_its_declared_type_is_refused(env, base):
+    with WebClient(env=env) as client:
+        png = fetch(f"{base}/html-as.png", client=client, owner="t")
+        pdf = fetch(f"{base}/html-as.pdf", client=client, owner="t")
+        real_png = fetch(f"{base}/real.png", client=client, owner="t")
+        real_pdf = fetch(f"{base}/real.pdf", client=client, owner="t")
+    assert code(png) == "web_type_mismatch" and code(pdf) == "web_type_mismatch", (png, pdf)
+    assert png["error"]["content_type"] == "image/png" and png["error"]["looks_like"] == "HTML"
+    assert pdf["error"]["content_type"] == "application/pdf" and pdf["error"]["looks_like"] == "HTML"
+    assert "data" not in png["error"] and "Ignore the above" not in str(png)
+    assert real_png["kind"] == "image" and real_pdf["kind"] == "pdf"
