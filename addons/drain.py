@@ -12,8 +12,10 @@ tunnels with no request in flight are simply closed. Then the proxy exits 0.
 A second signal during the drain cuts everything at once.
 
 "In flight" is an HTTP exchange whose request head arrived and whose
-response has not ended (inside an intercepted tunnel too), or a tunnel
-carried as raw bytes (CONNECT not intercepted, SOCKS5, transparent).
+response has not ended (inside an intercepted tunnel too), a tunnel
+carried as raw bytes (CONNECT not intercepted, SOCKS5, transparent), or an
+upgraded WebSocket pipe (ws:// or wss:// inside an intercepted tunnel),
+which is drained exactly like a raw tunnel.
 """
 
 from __future__ import annotations
@@ -67,7 +69,14 @@ class Drain:
         self._flows.pop(client.id, None)
 
     def _open_tunnels(self) -> list:
-        return [v for v in self.tunnels() if not v.logged and v.cap is None and v.client is not None and not v.intercept]
+        """Raw tunnels and upgraded (WebSocket) pipes: both carry bytes no
+        request hook sees, so both get the drain timeout and, if still open
+        then, a `shutdown` line (a pipe is not an exchange in flight once
+        its 101 has gone out)."""
+        guard = ctx.master.addons.get("upgradeguard") if getattr(ctx, "master", None) is not None else None
+        pipes = guard.open_pipes() if guard is not None else []
+        return [v for v in [*self.tunnels(), *pipes]
+                if not v.logged and v.cap is None and v.client is not None and not v.intercept]
 
     def in_flight(self) -> int:
         return sum(map(len, self._flows.values())) + len(self._open_tunnels())

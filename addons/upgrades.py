@@ -10,8 +10,12 @@ tunnel caps and meters attached there never see it. Here:
 - an accepted WebSocket is carried as a TCP flow (Sluice runs mitmproxy with
   `websocket=false`: its WebSocket layer buffers whole messages before any
   hook could count them). Every chunk is counted against
-  `tunnel_max_bytes`, the pipe gets `tunnel_max_seconds`, chunks are never
-  kept, and the pipe gets its own audit line with its bytes.
+  `tunnel_max_bytes` and charged to its client's `bytes_per_hour` (the
+  upgrade request's `TransferCharge`, addons/quotas.py) as it passes; the
+  pipe is cut where either runs out (`tunnel_too_large`, `quota_exceeded`).
+  The pipe gets `tunnel_max_seconds`, chunks are never kept, and the pipe
+  gets its own audit line with its bytes. (Its `max_tunnels` slot is taken
+  by the quotas addon when the upgrade request arrives.)
 """
 
 from __future__ import annotations
@@ -79,6 +83,7 @@ class UpgradeGuard:
                        method=upgraded.method)
         pipe.client = flow.client_conn
         pipe.user, pipe.connect_id = upgraded.user, upgraded.connect_id
+        pipe.transfer = upgraded.transfer
         flow.metadata[META] = pipe
         self._pipes.setdefault(flow.client_conn.id, []).append(pipe)
         self.caps.watch_tunnel(flow.client_conn, pipe)
@@ -98,14 +103,25 @@ class UpgradeGuard:
         before = pipe.bytes_from_client if message.from_client else pipe.bytes_from_server
         cap = pipe.limits.tunnel_max_bytes
         allowed = n if cap is None else max(0, min(n, cap - before))
+        refusal = None
+        if allowed < n:
+            refusal = Refusal(Reason.TUNNEL_TOO_LARGE,
+                              f"the upgraded connection carried more than this policy's {size_text(cap)} cap in one direction")
+        if pipe.transfer is not None and allowed > 0:
+            granted = pipe.transfer(allowed)
+            if granted < allowed:
+                allowed, refusal = granted, pipe.transfer.refusal()
         if message.from_client:
             pipe.bytes_from_client += allowed
         else:
             pipe.bytes_from_server += allowed
-        if allowed < n:
+        if refusal is not None:
             message.content = message.content[:allowed]
-            self.caps.cut_tunnel(flow.client_conn, pipe, Refusal(
-                Reason.TUNNEL_TOO_LARGE, f"the upgraded connection carried more than this policy's {size_text(cap)} cap in one direction"))
+            self.caps.cut_tunnel(flow.client_conn, pipe, refusal)
+
+    def open_pipes(self) -> list[Verdict]:
+        """The pipes still open (the drain waits for them as for tunnels)."""
+        return [pipe for pipes in self._pipes.values() for pipe in pipes if not pipe.logged and pipe.cap is None]
 
     def revoke_refused_pipes(self, live: LivePolicy) -> None:
         """After a reload, like the gate's tunnels: a pipe whose destination
