@@ -172,3 +172,66 @@ def meter_server(client: connection.Client, server: connection.Server, meter) ->
     io.reader = _MeteredReader(io.reader, meter)
     io.writer = _MeteredWriter(io.writer, meter)
     return True
+
+
+def close_server(client: connection.Client, server: connection.Server) -> bool:
+    """Close one server connection of a client connection the way mitmproxy
+    closes it (its layers see the connection end; the fd is freed)."""
+    handler = _handler(client.id)
+    io = handler.transports.get(server) if handler is not None else None
+    if io is None or io.handler is None or io.handler.done():
+        return False
+    handler.close_connection(server)
+    return True
+
+
+def idle_http1_servers(client: connection.Client) -> set[str]:
+    """Ids of this client connection's server connections that speak HTTP/1
+    and are between exchanges (keep-alive, nothing in flight): the ones that
+    can be closed without cutting anything. Anything else (a tunnel, a pipe,
+    an HTTP/2 upstream, an exchange in progress) is never in it."""
+    from mitmproxy.proxy.layers.http import HttpLayer, HttpStream
+    from mitmproxy.proxy.layers.http._http1 import Http1Client
+
+    handler = _handler(client.id)
+    if handler is None:
+        return set()
+    idle: set[str] = set()
+    seen: set[int] = set()
+    todo = [handler.layer]
+    while todo:
+        item = todo.pop()
+        if item is None or id(item) in seen:
+            continue
+        seen.add(id(item))
+        # A layer's context lists the stack it sits in (mode layers such as
+        # HttpProxy keep no reference to their child).
+        context = getattr(item, "context", None)
+        todo.extend(getattr(context, "layers", ()))
+        if isinstance(item, HttpLayer):
+            for conn, child in item.connections.items():
+                if isinstance(conn, connection.Server):
+                    found = _innermost(child)
+                    if (isinstance(found, Http1Client) and found.stream_id is None
+                            and found.state == found.read_headers and conn.connected):
+                        idle.add(conn.id)
+                else:
+                    todo.append(child)
+            todo.extend(item.streams.values())
+        elif isinstance(item, HttpStream):
+            todo.append(getattr(item, "child_layer", None))
+        else:
+            todo.append(getattr(item, "layer", None))  # NextLayer
+            todo.append(getattr(item, "child_layer", None))
+    return idle
+
+
+def _innermost(layer_):
+    """Down a server connection's stack (TLS, HttpClient) to its HTTP/1 or
+    HTTP/2 client layer."""
+    for _ in range(8):  # a server stack is a few layers deep
+        child = getattr(layer_, "child_layer", None)
+        if child is None:
+            return layer_
+        layer_ = child
+    return layer_

@@ -281,8 +281,39 @@ class EgressGate:
 
     def _approve(self, client: connection.Client, address: str, port: int, rules: Rules) -> None:
         """Record an address the gate validated and pinned for this client
-        connection: the only kind of address its dials may reach."""
-        self._approved.setdefault(client.id, {})[(_canonical_ip(address) or address, port)] = rules
+        connection: the only kind of address its dials may reach.
+
+        Bounded like the connection's upstreams (addons/upstreams.py): the
+        most recent limits.max_upstreams_per_connection + 1 approvals (every
+        request approves its address again right before it dials or reuses
+        a connection), plus those of the connection's open tunnels, which
+        mitmproxy may dial again for the requests inside."""
+        approved = self._approved.setdefault(client.id, {})
+        key = (_canonical_ip(address) or address, port)
+        approved.pop(key, None)
+        approved[key] = rules  # most recent last
+        keep = rules.limits.max_upstreams_per_connection + 1
+        if len(approved) > keep:
+            pinned = self._tunnel_addresses(client)
+            for old in [k for k in approved if k not in pinned][: len(approved) - keep]:
+                del approved[old]
+
+    def _tunnel_addresses(self, client: connection.Client) -> set[tuple[str, int]]:
+        out = set()
+        for server_id in self._client_tunnels.get(client.id, ()):
+            tunnel = self._tunnels.get(server_id)
+            if tunnel is not None and tunnel.decision.address:
+                out.add((_canonical_ip(tunnel.decision.address) or tunnel.decision.address, tunnel.port))
+        return out
+
+    def rules_for_dial(self, client: connection.Client, server: connection.Server) -> Rules | None:
+        """The rules that approved the address this server connection dials."""
+        if server.address is None:
+            return None
+        return self._approved_rules(client, *server.address)
+
+    def tunnel_server_ids(self, client: connection.Client) -> set[str]:
+        return set(self._client_tunnels.get(client.id, ()))
 
     def _approved_rules(self, client: connection.Client, host: str, port: int) -> Rules | None:
         ip = _canonical_ip(host)

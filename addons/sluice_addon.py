@@ -19,6 +19,7 @@ from sluice.addons.policy_source import PolicySource
 from sluice.addons.quotas import Quotas
 from sluice.addons.redirects import RedirectGuard
 from sluice.addons.upgrades import UpgradeGuard
+from sluice.addons.upstreams import Upstreams
 
 
 def make_addons(*, lifecycle: bool = False, metrics: bool = False) -> list:
@@ -42,7 +43,7 @@ def make_addons(*, lifecycle: bool = False, metrics: bool = False) -> list:
         from sluice.addons.metrics import Metrics
 
         operations.append(Metrics(audit, source, tunnels))
-    return [Guardrails(), source, ConnectionAudit(audit), gate, Quotas(source, audit, caps, gate), CredentialInjector(source, audit), RedirectGuard(source), UpgradeGuard(caps, source), caps, HeadLimits(source, audit), audit, *operations]
+    return [Guardrails(), source, ConnectionAudit(audit), gate, Quotas(source, audit, caps, gate), Upstreams(gate, audit), CredentialInjector(source, audit), RedirectGuard(source), UpgradeGuard(caps, source), caps, HeadLimits(source, audit), audit, *operations]
 
 
 addons = make_addons()

@@ -67,9 +67,10 @@ LIMIT_KEYS = tuple(f.name for f in fields(Limits))
 USER_KEYS = ("password_hash", "password_file")
 CREDENTIAL_KEYS = ("hosts", "set_headers", "allow_plain_http")
 CREDENTIAL_VALUE_KEYS = ("file", "env", "format")
-SIZE_LIMITS = {"max_response_bytes", "max_request_bytes", "tunnel_max_bytes", "max_header_bytes", "bytes_per_hour"}
-COUNT_LIMITS = {"max_header_count", "max_connections", "max_total_connections", "max_tunnels", "burst",
-                "max_requests_per_host_per_minute"}
+SIZE_LIMITS = {"max_response_bytes", "max_request_bytes", "tunnel_max_bytes", "max_header_bytes", "bytes_per_hour",
+               "h2_stream_buffer_bytes"}
+COUNT_LIMITS = {"max_header_count", "max_connections", "max_total_connections", "max_tunnels", "burst", "h2_max_concurrent_streams",
+                "max_requests_per_host_per_minute", "max_upstreams_per_connection"}
 RATE_LIMITS = {"requests_per_second"}
 # Limits that apply while a request head is read, before the client (and so
 # its profile) is known: only the top level may set them.

@@ -58,6 +58,9 @@ class Limits:
     @property
     def rate_burst(self) -> int:
         """The token bucket's size: `burst`, else one second's worth of requests."""
+    # Upstream connections one client connection may hold open; over it the
+    # least recently used idle one is closed (addons/upstreams.py).
+    max_upstreams_per_connection: int = 16
         if self.burst is not None:
             return self.burst
         return max(1, math.ceil(self.requests_per_second or 1))
