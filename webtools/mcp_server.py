@@ -16,6 +16,11 @@ thread: the tools block) and answers:
   error dict `{"error": {"code", "message", ...}}` and whose text is the
   message followed by that dict as JSON (for clients that show only text).
 
+At most SLUICE_WEB_CONCURRENCY calls (8 by default, 1 to 64) run at once,
+each bounded by the tools' deadline; a call past that is answered at once
+with the tool error `web_busy`, so slow origins cannot starve the server. An
+unknown tool name is a JSON-RPC error (invalid params), as the MCP spec says.
+
 The environment configures the tools as for any caller (SLUICE_PROXY or
 HTTPS_PROXY/..., SLUICE_CA_CERT, SLUICE_SOURCES); `--owner` (else
 SLUICE_OWNER) names the owner of the sources this server captures and may
@@ -41,6 +46,8 @@ from sluice.webtools.errors import WebError
 from sluice.webtools.tools import TOOLS, Tool, call, render
 
 SERVER_NAME = "sluice-web"
+DEFAULT_CONCURRENCY = 8  # tool calls at once (SLUICE_WEB_CONCURRENCY)
+MAX_CONCURRENCY = 64
 INSTRUCTIONS = (
     "Web tools that read public web pages through the Sluice egress proxy and return them as text. Page text "
     "arrives inside an envelope (<page ... end=NONCE> ... </page end=NONCE>) that only the tool can close: what "
@@ -84,16 +91,47 @@ def to_call_result(tool: Tool, result: dict) -> types.CallToolResult:
     return types.CallToolResult(content=[types.TextContent(type="text", text=text)], structured_content=result)
 
 
-def make_server() -> Server:
+def concurrency(env=None) -> int:
+    """SLUICE_WEB_CONCURRENCY: how many tool calls run at once (1 to MAX_CONCURRENCY)."""
+    env = os.environ if env is None else env
+    raw = (env.get("SLUICE_WEB_CONCURRENCY") or "").strip()
+    if not raw:
+        return DEFAULT_CONCURRENCY
+    if not raw.isdigit() or not 1 <= int(raw) <= MAX_CONCURRENCY:
+        raise ValueError(f"SLUICE_WEB_CONCURRENCY={raw[:40]!r} is not a whole number from 1 to {MAX_CONCURRENCY}")
+    return int(raw)
+
+
+def busy_result(limit: int) -> types.CallToolResult:
+    error = WebError("web_busy", f"this server is already running {limit} web tool calls at once (its limit, "
+                     "SLUICE_WEB_CONCURRENCY); this call was not started: try again when one of them has answered",
+                     limit=limit)
+    return to_call_result(TOOLS["fetch"], error.as_dict())
+
+
+def make_server(limit: int = DEFAULT_CONCURRENCY) -> Server:
+    # Calls run in threads of their own limiter, not anyio's default one (40 threads,
+    # which the stdio transport needs too): a flood of slow calls can take at most
+    # `limit` threads, and every call past that is answered web_busy at once.
+    limiter = anyio.CapacityLimiter(limit)
+    running = 0
+
     async def list_tools(ctx, params) -> types.ListToolsResult:
         return types.ListToolsResult(tools=[mcp_tool(tool) for tool in TOOLS.values()])
 
     async def call_tool(ctx, params: types.CallToolRequestParams) -> types.CallToolResult:
+        nonlocal running
         tool = by_mcp_name().get(params.name)
-        if tool is None:
-            raise MCPError(types.INVALID_PARAMS, f"unknown tool {params.name!r} (tools: {', '.join(by_mcp_name())})")
-        arguments = dict(params.arguments or {})
-        result = await anyio.to_thread.run_sync(functools.partial(call, tool.name, arguments))
+        if tool is None:  # the MCP spec's answer for an unknown tool: a JSON-RPC error, not a tool error
+            raise MCPError(types.INVALID_PARAMS, f"unknown tool {params.name[:100]!r} (tools: {', '.join(by_mcp_name())})")
+        if running >= limit:
+            return busy_result(limit)
+        running += 1
+        try:
+            arguments = dict(params.arguments or {})
+            result = await anyio.to_thread.run_sync(functools.partial(call, tool.name, arguments), limiter=limiter)
+        finally:
+            running -= 1
         return to_call_result(tool, result)
 
     return Server(SERVER_NAME, version=_version(), instructions=INSTRUCTIONS,
@@ -109,8 +147,8 @@ def _version() -> str:
         return ""
 
 
-async def serve() -> None:
-    server = make_server()
+async def serve(limit: int = DEFAULT_CONCURRENCY) -> None:
+    server = make_server(limit)
     async with stdio_server() as (read_stream, write_stream):
         await server.run(read_stream, write_stream, server.create_initialization_options())
 
@@ -122,11 +160,16 @@ def run(owner: str | None = None) -> int:
             print("sluice mcp: --owner takes a non-empty name", file=sys.stderr)
             return 2
         os.environ["SLUICE_OWNER"] = owner
+    try:
+        limit = concurrency()
+    except ValueError as e:
+        print(f"sluice mcp: {e}", file=sys.stderr)
+        return 2
     problem = route_problem()
     if problem is not None:  # still serve: every call answers web_no_proxy, which tells the agent
         print(f"sluice mcp: {problem}", file=sys.stderr)
     try:
-        anyio.run(serve)
+        anyio.run(serve, limit)
     except KeyboardInterrupt:
         return 130
     return 0

@@ -18,7 +18,12 @@ import subprocess
 import threading
 import time
 
+import anyio
+import mcp_types as types
 import pytest
+from mcp import Client
+from mcp.client.stdio import StdioServerParameters
+from mcp.shared.exceptions import MCPError
 
 from harness import default_policy
 from harness.http import read_request_head
@@ -27,6 +32,7 @@ from sluice.webtools.client import Limits, WebClient
 from sluice.webtools.fetch import fetch
 from sluice.webtools.request import request
 from sluice.webtools.store import SourceStore
+from sluice.webtools.tools import TOOLS
 
 pytestmark = pytest.mark.netns
 
@@ -50,6 +56,7 @@ class DripOrigin:
         self.server_ctx = server_ctx
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.paths: list[str] = []  # every request's path, in order
 
     def start(self) -> "DripOrigin":
         self.thread.start()
@@ -83,6 +90,7 @@ class DripOrigin:
         try:
             _, target, _ = await read_request_head(reader)
             path = "/" + target.split("://", 1)[1].split("/", 1)[1] if "://" in target else target
+            self.paths.append(path)
             if path == "/drip-head":
                 writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\n")
                 await self._drip(writer, b"X-Slow: " + b"a" * DRIP_BYTES)
@@ -183,3 +191,61 @@ def test_a_body_that_is_not_its_declared_type_is_refused(env, base):
     assert pdf["error"]["content_type"] == "application/pdf" and pdf["error"]["looks_like"] == "HTML"
     assert "data" not in png["error"] and "Ignore the above" not in str(png)
     assert real_png["kind"] == "image" and real_pdf["kind"] == "pdf"
+
+
+# ------------------------------------------------------------------ item 4: MCP concurrency
+
+def test_mcp_answers_calls_past_its_limit_busy_and_stays_responsive(env, origin):
+    """Two slow calls fill a server limited to two; a third is web_busy at once, tools/list is still
+    answered, and once the slow calls have timed out an unrelated call is answered in full."""
+    limit = 2
+    server_env = {**env, "SLUICE_WEB_CONCURRENCY": str(limit), "SLUICE_WEB_TIMEOUT": "6", "SLUICE_OWNER": "mcp",
+                  "PATH": os.environ.get("PATH", "/usr/bin:/bin")}
+    before = len(origin.paths)
+
+    async def body(c: Client):
+        slow: list[types.CallToolResult] = []
+
+        async def one_slow():
+            slow.append(await c.call_tool("web_fetch", {"url": f"{TLS_BASE}/drip-body"}))
+
+        async with anyio.create_task_group() as tg:
+            for _ in range(limit):
+                tg.start_soon(one_slow)
+            with anyio.fail_after(20):  # both slow calls have reached the origin
+                while origin.paths[before:].count("/drip-body") < limit:
+                    await anyio.sleep(0.05)
+            started = time.monotonic()
+            busy = await c.call_tool("web_fetch", {"url": f"{BASE}/text.txt"})
+            busy_took = time.monotonic() - started
+            listed = await c.list_tools()
+            still_slow = len(slow)
+        after = await c.call_tool("web_fetch", {"url": f"{BASE}/text.txt"})
+        try:
+            await c.call_tool("web_no_such_tool", {})
+            unknown = None
+        except MCPError as e:
+            unknown = e
+        return slow, busy, busy_took, listed, still_slow, after, unknown
+
+    async def main():
+        params = StdioServerParameters(command=sluice_executable(), args=["mcp"], env=server_env)
+        with anyio.fail_after(90):
+            async with Client(params) as client:
+                return await body(client)
+
+    slow, busy, busy_took, listed, still_slow, after, unknown = anyio.run(main)
+    assert busy.is_error and busy.structured_content["error"]["code"] == "web_busy", busy
+    assert busy.structured_content["error"]["limit"] == limit
+    assert still_slow == 0 and busy_took < 3.0, "web_busy must come at once, while the slow calls still run"
+    assert [t.name for t in listed.tools] == [t.mcp_name for t in TOOLS.values()]
+    assert [r.structured_content["error"]["code"] for r in slow] == ["web_timeout"] * limit
+    assert not after.is_error and after.structured_content["content"] == "plain text", after
+    assert origin.paths.count("/text.txt") >= 1 and origin.paths[before:].count("/text.txt") == 1  # busy never went out
+    assert unknown is not None and unknown.code == types.INVALID_PARAMS and "web_no_such_tool" in unknown.message
+
+
+def test_mcp_refuses_a_bad_concurrency_setting(env):
+    out = subprocess.run([sluice_executable(), "mcp"], input="", capture_output=True, text=True, timeout=60,
+                         env={**env, "SLUICE_WEB_CONCURRENCY": "lots", "PATH": os.environ.get("PATH", "/usr/bin:/bin")})
+    assert out.returncode == 2 and "SLUICE_WEB_CONCURRENCY" in out.stderr and "Traceback" not in out.stderr, out
