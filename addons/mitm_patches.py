@@ -51,6 +51,11 @@ Patches:
 - `socks5_login` wraps the SOCKS5 greeting (`Socks5Proxy.state`): a client
   offering username/password is asked for it, so it can be identified (see
   its section).
+- `h2_stream_buffer_cap` bounds what an HTTP/2 client that does not read
+  makes the proxy hold: past `limits.h2_stream_buffer_bytes` buffered for a
+  stream, that stream's origin connection is not read until the client has
+  taken half of it; and the client is offered `limits.h2_max_concurrent_streams`
+  (see its section).
 
 These limits are global (the policy's top level): the client's identity is
 in the very head being read. The head patches act only once a guard is set
@@ -845,4 +850,164 @@ def _patch_cancelled_handler_close() -> None:
 PATCHES["cancelled_handler_close"] = (_patch_cancelled_handler_close, (
     "mitmproxy.proxy.server:ConnectionHandler.handle_connection",
     "mitmproxy.proxy.server:ConnectionHandler.server_event",
+))
+
+
+# ---- h2_stream_buffer_cap -----------------------------------------------------
+#
+# Toward an HTTP/2 client, mitmproxy keeps what the client's flow-control
+# window does not let it send yet in per-stream buffers
+# (`BufferedH2Connection.stream_buffers`), without bound, while it goes on
+# reading every origin as fast as the origin sends: a client that announces
+# a zero window and opens many streams for large bodies makes the proxy hold
+# them all (2 connections x 50 streams of 9 MiB took it to 1.16 GiB). Its
+# only backpressure, `ConnectionHandler.drain_writers`, waits on the socket
+# buffers of every connection of the handler, so it never sees these.
+#
+# Once a stream's buffer passes `limits.h2_stream_buffer_bytes` (top level),
+# the origin connection that stream's response comes from is no longer read:
+# its reader task waits in `drain_writers` (which every reader awaits after
+# each read) until the buffer is back under half the cap. Only that origin
+# connection's reader waits; the client connection's own reader goes on
+# (WINDOW_UPDATE frames are what drain the buffer), and so do its other
+# origin connections. An HTTP/1 origin carries one stream at a time; an
+# HTTP/2 origin connection carries all of this client connection's streams to
+# it, which then wait together (HTTP/2 flow control toward the origin would
+# stop only the one stream, but mitmproxy opens a 2 GiB window there and
+# acknowledges every byte at once). A stream still passes its cap by at
+# most one read (64 KiB), so one client connection holds at most about
+# h2_max_concurrent_streams x (h2_stream_buffer_bytes + 64 KiB).
+#
+# `Http2Server.__init__` also announces `limits.h2_max_concurrent_streams`
+# (mitmproxy keeps h2's 100) as SETTINGS_MAX_CONCURRENT_STREAMS; h2 refuses
+# a client that opens more.
+
+class _ReadHold:
+    """An origin connection that is not read while any of its streams is over the cap."""
+
+    __slots__ = ("streams", "released")
+
+    def __init__(self) -> None:
+        self.streams: set[tuple[int, int]] = set()  # (id of the Http2Server layer, stream id)
+        self.released = asyncio.Event()
+
+
+_read_holds: dict[connection.Connection, _ReadHold] = {}
+
+
+def _h2_limits() -> Limits | None:
+    return _head_guard.head_limits() if _head_guard is not None else None
+
+
+def _stream_buffered(h2_conn, stream_id: int) -> int:
+    chunks = h2_conn.stream_buffers.get(stream_id)  # a defaultdict: .get never adds
+    return sum(len(chunk.data) for chunk in chunks) if chunks else 0
+
+
+def _origin_of(layer_, stream_id: int) -> connection.Connection | None:
+    """The server connection the stream's response comes from."""
+    from mitmproxy.proxy.layers.http import HttpLayer
+
+    for below in reversed(layer_.context.layers):
+        if isinstance(below, HttpLayer):
+            stream = below.streams.get(stream_id)
+            return stream.context.server if stream is not None else None
+    return None
+
+
+def _hold(layer_, stream_id: int, server: connection.Connection) -> None:
+    _read_holds.setdefault(server, _ReadHold()).streams.add((id(layer_), stream_id))
+    layer_._sluice_held[stream_id] = server
+
+
+def _release(layer_, stream_id: int) -> None:
+    server = layer_._sluice_held.pop(stream_id)
+    hold = _read_holds.get(server)
+    if hold is None:
+        return
+    hold.streams.discard((id(layer_), stream_id))
+    if not hold.streams:
+        del _read_holds[server]
+        hold.released.set()
+
+
+def _check_stream(layer_, stream_id: int, cap: int) -> None:
+    buffered = _stream_buffered(layer_.h2_conn, stream_id)
+    if stream_id in layer_._sluice_held:
+        if buffered <= cap // 2:
+            _release(layer_, stream_id)
+    elif buffered > cap:
+        server = _origin_of(layer_, stream_id)
+        if server is not None and server is not layer_.conn:
+            _hold(layer_, stream_id, server)
+
+
+def _patch_h2_stream_buffer_cap() -> None:
+    from mitmproxy.proxy.layers.http._events import ResponseData
+    from mitmproxy.proxy.layers.http._http2 import Http2Server
+
+    def make_handle_event(original):
+        def _handle_event(self, event):
+            yield from original(self, event)
+            held = self.__dict__.setdefault("_sluice_held", {})
+            if "_handle_event" in self.__dict__:  # closed: mitmproxy switched this layer to `done`
+                for stream_id in list(held):
+                    _release(self, stream_id)
+                return
+            limits = _h2_limits()
+            if limits is None:
+                return
+            if isinstance(event, ResponseData):
+                _check_stream(self, event.stream_id, limits.h2_stream_buffer_bytes)
+            for stream_id in [s for s in held if not isinstance(event, ResponseData) or s != event.stream_id]:
+                # The client's WINDOW_UPDATE (or RST_STREAM, or the end of
+                # the connection) may have drained any held stream.
+                _check_stream(self, stream_id, limits.h2_stream_buffer_bytes)
+        return _handle_event
+
+    def make_init(original):
+        @functools.wraps(original)
+        def __init__(self, context):
+            original(self, context)
+            limits = _h2_limits()
+            if limits is not None:
+                self.h2_conn.local_settings.max_concurrent_streams = limits.h2_max_concurrent_streams
+                self.h2_conn.local_settings.acknowledge()  # effective now, and sent in the first SETTINGS
+        return __init__
+
+    def make_drain(original):
+        @functools.wraps(original)
+        async def drain_writers(self):
+            await original(self)
+            if not _read_holds:
+                return
+            task = asyncio.current_task()
+            for conn, io in list(self.transports.items()):
+                if io.handler is task:
+                    break
+            else:
+                return
+            try:
+                while (hold := _read_holds.get(conn)) is not None:
+                    await hold.released.wait()
+            except asyncio.CancelledError:
+                _read_holds.pop(conn, None)  # the connection is being closed
+                raise
+        return drain_writers
+
+    _wrap_once(Http2Server, "_handle_event", "__sluice_h2_stream_buffer_cap__", make_handle_event)
+    _wrap_once(Http2Server, "__init__", "__sluice_h2_max_concurrent_streams__", make_init)
+    _wrap_once(server.ConnectionHandler, "drain_writers", "__sluice_h2_stream_buffer_cap__", make_drain)
+
+
+PATCHES["h2_stream_buffer_cap"] = (_patch_h2_stream_buffer_cap, (
+    "mitmproxy.proxy.layers.http._http2:Http2Server._handle_event",
+    "mitmproxy.proxy.layers.http._http2:Http2Server.__init__",
+    "mitmproxy.proxy.layers.http._http2:Http2Connection._handle_event",
+    "mitmproxy.proxy.layers.http._http2:Http2Connection.close_connection",
+    "mitmproxy.proxy.layers.http._http_h2:BufferedH2Connection.send_data",
+    "mitmproxy.proxy.layers.http._http_h2:BufferedH2Connection.stream_window_updated",
+    "mitmproxy.proxy.server:ConnectionHandler.drain_writers",
+    "mitmproxy.proxy.server:ConnectionHandler.handle_connection",
+    "mitmproxy.proxy.layers.http:HttpLayer.make_stream",
 ))

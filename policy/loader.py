@@ -74,7 +74,9 @@ COUNT_LIMITS = {"max_header_count", "max_connections", "max_total_connections", 
 RATE_LIMITS = {"requests_per_second"}
 # Limits that apply while a request head is read, before the client (and so
 # its profile) is known: only the top level may set them.
-GLOBAL_LIMITS = ("max_header_bytes", "max_header_count", "header_timeout", "max_total_connections")
+GLOBAL_LIMITS = ("max_header_bytes", "max_header_count", "header_timeout", "max_total_connections",
+                 "h2_stream_buffer_bytes", "h2_max_concurrent_streams")
+H2_MAX_SETTING = 2**31 - 1  # the largest SETTINGS_MAX_CONCURRENT_STREAMS h2 sends
 OPTIONAL_LIMITS = {"tunnel_max_bytes", "tunnel_max_seconds", "max_connections", "max_total_connections", "max_tunnels",
                    "requests_per_second", "burst", "bytes_per_hour", "max_requests_per_host_per_minute"}
 
@@ -576,6 +578,9 @@ class _Reader:
             except ValueError as e:
                 self.problem(value_node, f"limits.{key}: {e}")
         limits = replace(base, **changes)
+        if limits.h2_max_concurrent_streams > H2_MAX_SETTING:
+            self.problem(node, f"limits.h2_max_concurrent_streams: {limits.h2_max_concurrent_streams} is more than HTTP/2 can "
+                               f"announce (at most {H2_MAX_SETTING})")
         if "burst" in changes and limits.burst is not None and limits.requests_per_second is None:
             self.problem(node, "limits.burst has no effect without limits.requests_per_second (the rate its bucket refills at)")
         return limits
@@ -785,6 +790,7 @@ class _Reader:
             key = self.scalar(key_node)
             if key in GLOBAL_LIMITS:
                 when = ("it counts every connection as it is accepted" if key == "max_total_connections" else
+                        "it applies to the HTTP/2 connection before its requests are read" if key.startswith("h2_") else
                         "it applies while the request head is read")
                 self.problem(key_node, f"limits.{key} is global: set it in the top-level `limits`, not in client profile "
                                        f"{_q(profile)} ({when}, before the client is known)")

@@ -43,6 +43,13 @@ class Limits:
     max_header_bytes: int = 64 * KIB
     max_header_count: int = 100
     header_timeout: float = 10.0
+    # HTTP/2 from the client (inside an intercepted tunnel), also global:
+    # what the proxy holds for one stream the client does not read (past
+    # it, that stream's origin is no longer read) and how many streams one
+    # client connection may have open. Together they bound one connection's
+    # buffers: h2_stream_buffer_bytes x h2_max_concurrent_streams.
+    h2_stream_buffer_bytes: int = 1 * MIB
+    h2_max_concurrent_streams: int = 100
     # Quotas (policy.quotas, addons/quotas.py); None = no limit. Counted per
     # source address (max_connections), per process (max_total_connections,
     # top level only), else per client: its proxy user once known, else its

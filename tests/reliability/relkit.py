@@ -49,6 +49,31 @@ def rss_kib(pid: int) -> int:
     raise AssertionError(f"no VmRSS for pid {pid}")
 
 
+class RssPeak:
+    """Samples a process's RSS every 20 ms in a thread (bounded by stop())."""
+
+    def __init__(self, pid: int):
+        self.pid = pid
+        self.peak = rss_kib(pid)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.02):
+            try:
+                self.peak = max(self.peak, rss_kib(self.pid))
+            except (OSError, AssertionError):
+                return
+
+    def __enter__(self) -> RssPeak:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(5)
+
+
 def fd_targets(pid: int) -> list[str]:
     out = []
     for fd in os.listdir(f"/proc/{pid}/fd"):

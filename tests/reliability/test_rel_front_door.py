@@ -63,7 +63,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from harness import default_policy, free_port
 from harness.clients import Response, _Reader, read_response
 from relkit import (
-    FAULT_IP, KeepAlive, connect_tunnel, fd_count, get, quiet_fds, rss_kib, scaled, settle_fds, wait_until,
+    FAULT_IP, KeepAlive, RssPeak, connect_tunnel, fd_count, get, quiet_fds, rss_kib, scaled, settle_fds, wait_until,
 )
 
 pytestmark = pytest.mark.netns
@@ -252,31 +252,6 @@ def still_serving(proxy) -> None:
     assert proxy.alive(), f"the proxy died:\n{proxy.stderr_text(tail=60)}"
     r = KeepAlive(proxy.address, timeout=10).request(get("http://public.example/front-door-after", close=True))
     assert r.status == 200 and r.body == b"origin ok public.example /front-door-after\n", r
-
-
-class RssPeak:
-    """Samples a process's RSS every 20 ms in a thread (bounded by stop())."""
-
-    def __init__(self, pid: int):
-        self.pid = pid
-        self.peak = rss_kib(pid)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        while not self._stop.wait(0.02):
-            try:
-                self.peak = max(self.peak, rss_kib(self.pid))
-            except (OSError, AssertionError):
-                return
-
-    def __enter__(self) -> RssPeak:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join(5)
 
 
 # ---------------------------------------------------------------- 1. fuzzed first bytes

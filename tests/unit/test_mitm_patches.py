@@ -57,6 +57,14 @@ RECORDED = {
     "mitmproxy.proxy.layers.http:HttpStream._handle_event": "e3cbfef7310ae81f",
     "mitmproxy.proxy.layers.http._http1:Http1Server.send": "cc218a1337c0f5cf",
     "mitmproxy.proxy.layers.modes:Socks5Proxy._handle_event": "89b26466b40d47ee",
+    "mitmproxy.proxy.layers.http._http2:Http2Server._handle_event": "7282fa18e70a3eaa",
+    "mitmproxy.proxy.layers.http._http2:Http2Server.__init__": "fbaceff7e0dfcd9e",
+    "mitmproxy.proxy.layers.http._http2:Http2Connection._handle_event": "7fc814a8a507f234",
+    "mitmproxy.proxy.layers.http._http2:Http2Connection.close_connection": "44b76ed198e7916a",
+    "mitmproxy.proxy.layers.http._http_h2:BufferedH2Connection.send_data": "eeb7918d96b19708",
+    "mitmproxy.proxy.layers.http._http_h2:BufferedH2Connection.stream_window_updated": "3be939b870a5f8e4",
+    "mitmproxy.proxy.server:ConnectionHandler.drain_writers": "6b57434604561e3e",
+    "mitmproxy.proxy.layers.http:HttpLayer.make_stream": "654959c6e74548e1",
 }
 
 
