@@ -2,6 +2,9 @@
 
 Each prints the model-facing text (default) or the result dict (`--json`),
 and exits 1 on an error (the message, or the error dict with --json). The
+text carries no terminal escape sequence or control character (tab and
+newline aside: webtools.sanitize.for_terminal); the JSON writes C1
+controls, bidi and zero-width characters as \\u escapes. The
 environment configures them as for any caller: SLUICE_PROXY (or
 HTTPS_PROXY/HTTP_PROXY/ALL_PROXY), SLUICE_CA_CERT, SLUICE_OWNER,
 SLUICE_SOURCES; search also SLUICE_SEARCH_PROVIDER and the providers' keys/URLs.
@@ -11,7 +14,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
+
+from sluice.webtools.sanitize import for_terminal
 
 COMMANDS = ("fetch", "source-read", "read", "request", "sitemap", "search")
 EXIT_ERROR = 1
@@ -68,7 +74,7 @@ def add_parsers(sub) -> None:
 
 
 def dispatch(args) -> int:
-    from sluice.webtools.tools import TOOLS, render
+    from sluice.webtools.tools import call, render
 
     command = args.command
     if command == "fetch":
@@ -88,14 +94,24 @@ def dispatch(args) -> int:
         name, kwargs = "search", {"query": " ".join(args.query), "count": args.count, "provider": args.provider}
     else:
         name, kwargs = command, {"url": args.url}
-    result = TOOLS[name].function(**kwargs)
+    result = call(name, kwargs)  # the same argument bounds as over MCP
     failed = "error" in result
     if args.json:
-        print(json.dumps(result, ensure_ascii=False, indent=2))
+        print(json_for_terminal(result))
     else:
-        text = render(name, result)
-        print(text, file=sys.stderr if failed else sys.stdout)
+        print(for_terminal(render(name, result)), file=sys.stderr if failed else sys.stdout)
     return EXIT_ERROR if failed else 0
+
+
+# Characters json.dumps(ensure_ascii=False) leaves as they are that a
+# terminal acts on or hides (C1 controls, separators, bidi and zero-width
+# characters): written as \uXXXX escapes, the same JSON value.
+_JSON_UNSAFE = re.compile("[\x7f-\x9f\u00ad\u061c\u180e\u200b-\u200f\u2028-\u202e\u2060-\u206f\ufeff]")
+
+
+def json_for_terminal(result: dict) -> str:
+    text = json.dumps(result, ensure_ascii=False, indent=2)
+    return _JSON_UNSAFE.sub(lambda m: f"\\u{ord(m.group()):04x}", text)
 
 
 # `sluice mcp` and `sluice tools schema`: the agent integration, both made
@@ -111,7 +127,8 @@ def add_agent_parsers(sub) -> None:
                                    "Every request goes through the proxy in SLUICE_PROXY (or HTTPS_PROXY/"
                                    "HTTP_PROXY/ALL_PROXY); SLUICE_CA_CERT, SLUICE_SOURCES as for the CLI tools.")
     p.add_argument("--owner", default=None, metavar="NAME",
-                   help="owner of the sources this server captures and may read back (default: $SLUICE_OWNER)")
+                   help="owner of the sources this server captures and may read back (default: $SLUICE_OWNER, "
+                        "else a random one for this server, printed on stderr)")
 
     p = sub.add_parser("tools", help="the web tools' function-calling definitions",
                        description="Print the web tools' definitions for a model API.")

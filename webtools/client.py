@@ -48,6 +48,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import re
 import ssl
 import time
 import zlib
@@ -60,12 +61,15 @@ import httpx
 from sluice.policy.hosts import HostError, IPHost, NameHost, internal_name, parse_host
 from sluice.policy.ranges import classify
 from sluice.policy.reasons import REASONS, POLICY_SUFFIX, Reason, Refusal
+from sluice.policy.loader import parse_duration, parse_size
 from sluice.policy.urls import resolve_redirect, split_url
+from sluice.webtools.sanitize import MESSAGE_CHARS, URL_CHARS, clean
 from sluice.webtools.deadline import WATCHDOG, StreamGuard
 from sluice.webtools.errors import WebError
 
 MIB = 1024 * 1024
 MAX_REDIRECTS = 5
+MAX_URL_CHARS = 8192  # a URL argument or redirect target; longer ones are web_bad_url (httpx stops at 64 KiB)
 REDIRECT_STATUSES = frozenset({301, 302, 303, 307, 308})
 BOMB_RATIO = 100
 USER_AGENT = "sluice-webtools/0.1 (an AI agent's web tool; no JavaScript, no cookies)"
@@ -99,16 +103,19 @@ class Limits:
 
     @classmethod
     def from_env(cls, env: dict | None = None) -> "Limits":
+        """Durations and sizes in the policy language's units (`2s`, `500ms`,
+        `1MiB`; a bare number is seconds or bytes), read by its own parsers."""
         env = os.environ if env is None else env
         values = {}
-        for name, kind in (("timeout", float), ("text_bytes", int), ("image_bytes", int),
-                           ("pdf_bytes", int), ("sitemap_bytes", int)):
-            raw = env.get(f"SLUICE_WEB_{name.upper()}")
+        for name, parse in (("timeout", parse_duration), ("text_bytes", parse_size), ("image_bytes", parse_size),
+                            ("pdf_bytes", parse_size), ("sitemap_bytes", parse_size)):
+            var = f"SLUICE_WEB_{name.upper()}"
+            raw = env.get(var)
             if raw:
                 try:
-                    values[name] = kind(raw)
-                except ValueError:
-                    raise WebError("web_bad_argument", f"SLUICE_WEB_{name.upper()}={raw!r} is not a number") from None
+                    values[name] = parse(raw)
+                except ValueError as e:
+                    raise WebError("web_bad_argument", f"{var}: {clean(e, 200)}") from None
         return cls(**values)
 
 
@@ -152,17 +159,66 @@ def media_type(content_type: str) -> tuple[str, str | None]:
 # ---------------------------------------------------------------- URL checks
 
 def check_url(url) -> str:
-    """The first-line check on a URL a model gave: the URL, or WebError."""
+    """The first-line check on a URL a model gave: the URL that will be
+    requested (see request_url), or WebError."""
     if not isinstance(url, str) or not url.strip():
         raise WebError("web_bad_url", "url must be an absolute http or https URL, e.g. https://example.com/page")
+    return str(request_url(url.strip()))
+
+
+_HTTPX_AUTHORITY_END = re.compile(r"[/?#]")
+
+
+def request_url(url: str, *, first_line: bool = True) -> httpx.URL:
+    """The URL to request, built from the components the checks read.
+
+    Two parsers read every URL: policy/urls.py's split (the WHATWG reading
+    the proxy and browsers use: a backslash ends the authority) and httpx's
+    (RFC 3986: it does not). Where they disagree the check and the dial
+    would be about different hosts (`http://a.example\\@10.0.0.5/` is
+    a.example to one and 10.0.0.5, with userinfo, to the other), so a
+    backslash in the authority, or any host, port or userinfo the two read
+    differently, is `web_bad_url`. What is requested is then rebuilt from
+    the checked host (canonical: `8.8.2056` is requested as 8.8.8.8), port
+    and httpx's path, and its host is compared again. `first_line=False`
+    (URLs the operator configured) skips only the policy refusals."""
+    shown = clean(url, URL_CHARS)
     try:
-        target = split_url(url.strip())
+        target = split_url(url)
     except ValueError as e:
-        raise WebError("web_bad_url", f"{e}") from None
-    refusal = first_line_refusal(target.scheme, target.host, target.has_credentials)
-    if refusal is not None:
-        raise blocked(refusal, by="client", url=target.url)
-    return target.url
+        raise WebError("web_bad_url", clean(e, URL_CHARS + 200)) from None
+    scheme = target.scheme.lower()
+    if first_line:
+        refusal = first_line_refusal(scheme, target.host, target.has_credentials)
+        if refusal is not None:
+            raise blocked(refusal, by="client", url=shown)
+    elif scheme not in ("http", "https"):
+        raise WebError("web_bad_url", f"{shown} is not an http(s) URL")
+    authority = _HTTPX_AUTHORITY_END.split(url[len(target.scheme) + 3:], maxsplit=1)[0]
+    if "\\" in authority:
+        raise WebError("web_bad_url", f"{shown} has a backslash in its host part, which URL parsers read differently "
+                       "(as the end of the host, or as part of a user name); write the URL with / instead")
+    differs = WebError("web_bad_url", f"{shown} is read as a different host, port or user name by different URL "
+                       "parsers (an odd character in its host part); write the plain URL, e.g. https://example.com/path")
+    try:
+        parsed = httpx.URL(url)
+        checked = parse_host(target.host)
+        theirs = parse_host(parsed.raw_host.decode("ascii"))
+    except HostError as e:
+        if first_line:  # the first-line check accepted the host: httpx's reading is the odd one
+            raise differs from None
+        raise WebError("web_bad_url", f"{shown}: {clean(e, 300)}") from None
+    except (httpx.InvalidURL, UnicodeError, ValueError) as e:
+        raise WebError("web_bad_url", f"{shown} cannot be requested ({clean(e, 300)})") from None
+    default = 443 if scheme == "https" else 80
+    if theirs != checked or (parsed.port or default) != target.port or bool(parsed.userinfo) != target.has_credentials:
+        raise differs
+    host = checked.address if isinstance(checked, IPHost) else checked.name
+    built = httpx.URL(scheme=scheme, host=host, port=None if target.port == default else target.port,
+                      raw_path=parsed.raw_path, fragment=parsed.fragment or None)
+    if parse_host(built.raw_host.decode("ascii")) != checked or (built.port or default) != target.port:
+        raise differs  # never expected: the rebuilt URL must name exactly the checked host and port
+    return built
 
 
 def first_line_refusal(scheme: str, host_text: str, has_credentials: bool) -> Refusal | None:
@@ -214,13 +270,49 @@ def proxy_for(scheme: str, env: dict | None = None) -> str:
     by_scheme = "HTTPS_PROXY" if scheme == "https" else "HTTP_PROXY"
     proxy = env.get("SLUICE_PROXY") or get(by_scheme) or get("ALL_PROXY")
     if not proxy:
+        other = "HTTP_PROXY" if scheme == "https" else "HTTPS_PROXY"
+        if get(other):  # name the variable this URL wanted, not just "none"
+            raise WebError("web_no_proxy", f"no proxy is configured for {scheme}:// URLs: {other} is set, but it is "
+                           f"used for {'http' if scheme == 'https' else 'https'}:// URLs only; set SLUICE_PROXY "
+                           f"(used for both) or {by_scheme} to the Sluice proxy, e.g. SLUICE_PROXY=http://127.0.0.1:8080",
+                           wanted=by_scheme)
         raise WebError("web_no_proxy", NO_PROXY_MESSAGE)
     if "://" not in proxy:
         proxy = "http://" + proxy
     if proxy.split("://", 1)[0].lower() not in ("http", "https"):
         raise WebError("web_no_proxy", f"the proxy {_redact(proxy)} is not an http:// proxy URL; "
                        "the web tools speak HTTP to the proxy: set SLUICE_PROXY=http://HOST:PORT")
+    problem = _proxy_url_problem(proxy)
+    if problem:
+        name = next(n for n in ("SLUICE_PROXY", by_scheme, "ALL_PROXY") if (env.get(n) if n == "SLUICE_PROXY" else get(n)))
+        raise WebError("web_no_proxy", f"{name} is not a usable proxy URL ({problem}): set it to http://HOST:PORT, "
+                       "e.g. SLUICE_PROXY=http://127.0.0.1:8080", variable=name)
     return proxy
+
+
+def _proxy_url_problem(proxy: str) -> str | None:
+    """What is wrong with a proxy URL's host and port, or None (the
+    values are never echoed: the URL may hold a password)."""
+    authority = proxy.split("://", 1)[1].split("/", 1)[0].rsplit("@", 1)[-1]
+    if authority.startswith("["):
+        host, closed, rest = authority[1:].partition("]")
+        if not closed:
+            return "an unclosed [ in the address"
+        if rest and not rest.startswith(":"):
+            return "text after the bracketed address"
+        has_port, port = bool(rest), rest[1:]
+    else:
+        host, colon, port = authority.partition(":")
+        has_port = bool(colon)
+    if not host:
+        return "no host"
+    if has_port and not (port.isascii() and port.isdigit() and 1 <= int(port) <= 65535):
+        return "the port is not a number from 1 to 65535"
+    try:
+        httpx.URL(proxy)
+    except (httpx.InvalidURL, ValueError) as e:
+        return str(e)[:100]
+    return None
 
 
 def _redact(proxy: str) -> str:
@@ -407,8 +499,11 @@ class WebClient:
         with a body (search providers' POST APIs): a 307/308 repeats it, any
         other redirect becomes a GET without the body."""
         deadline = time.monotonic() + self.limits.timeout
+        if isinstance(url, str) and len(url) > MAX_URL_CHARS:
+            raise WebError("web_bad_url", f"the URL is {len(url):,} characters long; at most {MAX_URL_CHARS:,} are "
+                           "accepted", limit=MAX_URL_CHARS)
         proxy_for("https" if isinstance(url, str) and url.strip().lower().startswith("https:") else "http", self.env)
-        current = check_url(url) if check else url
+        current = check_url(url) if check else str(request_url(str(url).strip(), first_line=False))
         start_origin = origin_of(current)
         hops = 0
         while True:
@@ -425,17 +520,16 @@ class WebClient:
             try:
                 target = resolve_redirect(current, location)
             except ValueError as e:
-                raise WebError("web_bad_url", f"{current} redirects to an unusable Location ({e})",
-                               status=None, location=location) from None
+                raise WebError("web_bad_url", f"{current} redirects to an unusable Location ({clean(e, URL_CHARS)})",
+                               status=None, location=clean(location, URL_CHARS)) from None
+            if len(target.url) > MAX_URL_CHARS:
+                raise WebError("web_bad_url", f"{current} redirects to a URL of {len(target.url):,} characters; at "
+                               f"most {MAX_URL_CHARS:,} are followed", limit=MAX_URL_CHARS)
             if hops > self.limits.max_redirects:
-                raise WebError("web_too_many_redirects", f"{url} redirected more than {self.limits.max_redirects} "
-                               f"times (the last hop pointed to {target.url}); not followed further",
-                               location=target.url, redirects=hops - 1)
-            if check:
-                refusal = first_line_refusal(target.scheme, target.host, target.has_credentials)
-                if refusal is not None:
-                    raise blocked(refusal, by="client", url=target.url)
-            current = target.url
+                raise WebError("web_too_many_redirects", f"{clean(url, URL_CHARS)} redirected more than "
+                               f"{self.limits.max_redirects} times (the last hop pointed to {clean(target.url, URL_CHARS)}); "
+                               "not followed further", location=clean(target.url, URL_CHARS), redirects=hops - 1)
+            current = redirect_target(current, target, check=check)
 
     def _one(self, url: str, current: str, headers: dict, classify: Classifier, deadline: float,
              method: str = "GET", content: bytes | None = None) -> Fetched | tuple[str, int]:
@@ -460,8 +554,11 @@ class WebClient:
         if remaining <= 0:
             raise _timeout(url, self.limits.timeout)
         try:
-            request = client.build_request(method, current, headers=headers, content=content,
+            target = request_url(current, first_line=False)  # `current` is request_url's own: the checked components
+            request = client.build_request(method, target, headers=headers, content=content,
                                            timeout=httpx.Timeout(remaining))
+            if request.url.raw_host != target.raw_host or request.url.port != target.port:
+                raise WebError("web_bad_url", f"{current} would not be requested from its checked host; not sent")
             request.extensions["trace"] = guard.trace  # hands each new socket to the watchdog
             response = client.send(request, stream=True)
         except WebError:
@@ -483,15 +580,10 @@ class WebClient:
 
     def _answer(self, url, current, response: httpx.Response, classify, deadline) -> Fetched | tuple[str, int]:
         status = response.status_code
-        reason = response.headers.get("sluice-reason")
-        if status == 407:
-            raise _proxy_auth(current)
-        if reason and status >= 400:
-            message = _short_body(response, deadline) or _reason_sentence(reason, current)
-            raise WebError("web_blocked", message, reason=reason, by="proxy", url=current, status=status)
-        if status in (502, 504) and response.headers.get("proxy-status", "").lower().startswith("sluice"):
-            message = _short_body(response, deadline) or f"the proxy could not complete the request for {current}"
-            raise WebError("web_unreachable", message, status=status, url=current)
+        if proxy_made(current, response, self.env):
+            refusal = proxy_refusal(response, current, deadline)
+            if refusal is not None:
+                raise refusal
         if status in REDIRECT_STATUSES and response.headers.get("location"):
             return response.headers["location"], status
         content_type = response.headers.get("content-type", "")
@@ -568,8 +660,102 @@ def call_client(client: "WebClient | None") -> Iterator["WebClient"]:
         yield own
 
 
+# ---------------------------------------------------------------- who speaks
+
+# The most of a proxy-made refusal's own sentence a message quotes (its
+# detail, advice and the operator's refusal_note).
+PROXY_DETAIL_CHARS = 1500
+_REASON_TOKEN = re.compile(r"[a-z][a-z0-9_]{0,63}")
+_CA_SUBJECTS: dict[str, frozenset] = {}
+
+
+def proxy_made(url: str, response: httpx.Response, env: dict | None) -> bool:
+    """Can this response be the proxy's own (a refusal, its 407, its 502)?
+
+    - http:// URLs: yes. The proxy carries the exchange and strips the
+      Sluice-Reason, `Proxy-Status: sluice` and Proxy-Authenticate of every
+      origin response (an origin's 407 becomes a 502), so these are its own.
+    - https:// URLs: only when the TLS session is with an intercepting Sluice,
+      i.e. the verified leaf certificate was issued by a CA in SLUICE_CA_CERT.
+      In a tunnel Sluice does not intercept, everything after the tunnel is
+      up is the origin's (a refused CONNECT is answered before it, and is
+      read from its status line: _proxy_error)."""
+    if url.split(":", 1)[0].lower() == "http":
+        return True
+    ca_file = (os.environ if env is None else env).get("SLUICE_CA_CERT")
+    stream = response.extensions.get("network_stream")
+    if not ca_file or stream is None:
+        return False
+    ssl_object = stream.get_extra_info("ssl_object")
+    cert = ssl_object.getpeercert() if ssl_object is not None else None
+    return bool(cert) and cert.get("issuer") in sluice_ca_subjects(ca_file)
+
+
+def sluice_ca_subjects(ca_file: str) -> frozenset:
+    """The subject names of the CA certificates in SLUICE_CA_CERT (in the
+    form of getpeercert()'s issuer)."""
+    subjects = _CA_SUBJECTS.get(ca_file)
+    if subjects is None:
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+        try:
+            ctx.load_verify_locations(cafile=ca_file)
+        except (OSError, ssl.SSLError):
+            return frozenset()  # ssl_context() says why, for every request
+        subjects = _CA_SUBJECTS[ca_file] = frozenset(c["subject"] for c in ctx.get_ca_certs())
+    return subjects
+
+
+def proxy_refusal(response: httpx.Response, url: str, deadline: float) -> WebError | None:
+    """The tool error for a proxy-made refusal or failure (None: not one).
+    Its message is Sluice's sentence for the reason code (policy/reasons.py)
+    with the proxy's own sentence, cleaned and bounded."""
+    status = response.status_code
+    if status == 407:
+        return _proxy_auth(url)
+    reason = response.headers.get("sluice-reason")
+    if reason and status >= 400:
+        return refused_by_proxy(reason, _short_body(response, deadline), url, status)
+    if status in (502, 504) and response.headers.get("proxy-status", "").lower().startswith("sluice"):
+        said = clean(_short_body(response, deadline), PROXY_DETAIL_CHARS)
+        return WebError("web_unreachable", f"the proxy could not complete the request for {clean(url, URL_CHARS)}"
+                        + (f". The proxy said: {said}" if said else ""), status=status, url=clean(url, URL_CHARS))
+    return None
+
+
+def refused_by_proxy(reason_text: str, body: str, url: str, status: int | None) -> WebError:
+    reason = reason_text.strip().lower()
+    try:
+        meaning = REASONS[Reason(reason)].meaning
+    except ValueError:  # a code newer than these tools
+        reason = reason if _REASON_TOKEN.fullmatch(reason) else "unknown"
+        meaning = "the proxy's egress policy refused it"
+    said = clean(body, PROXY_DETAIL_CHARS).removeprefix("Sluice refused this request: ")
+    shown = clean(url, URL_CHARS)
+    what = f"the redirect from {shown}" if reason == Reason.REDIRECT_REFUSED.value else f"the request for {shown}"
+    message = f"Sluice refused {what} ({reason}: {meaning}). " + (f"The proxy said: {said}" if said else POLICY_SUFFIX)
+    return WebError("web_blocked", message, reason=reason, by="proxy", url=shown, status=status)
+
+
+def redirect_target(current: str, target, *, check: bool) -> str:
+    """The next hop's URL (request_url's), or WebError: a hop the first-line
+    checks refuse is `redirect_refused`, as the proxy's refusal of it is."""
+    shown = clean(target.url, URL_CHARS)
+    refusal = first_line_refusal(target.scheme, target.host, target.has_credentials) if check else None
+    if refusal is not None:
+        raise WebError("web_blocked", f"Sluice refused the redirect from {current} to {shown} "
+                       f"({Reason.REDIRECT_REFUSED.value}: {REASONS[Reason.REDIRECT_REFUSED].meaning}): "
+                       f"{clean(refusal.detail, 600)} ({refusal.reason.value}). {POLICY_SUFFIX}",
+                       reason=Reason.REDIRECT_REFUSED.value, by="client", url=current, location=shown,
+                       target_reason=refusal.reason.value)
+    try:
+        return str(request_url(target.url, first_line=check))
+    except WebError as e:
+        raise WebError(e.code, f"{current} redirects to {shown}, which is not followed: {e.message}",
+                       **{**e.fields, "url": current, "location": shown}) from None
+
+
 def _short_body(response: httpx.Response, deadline: float) -> str:
-    """A refusal's one-sentence body (at most 4 KiB of it)."""
+    """A proxy refusal's one-sentence body (at most 4 KiB of it)."""
     data = b""
     try:
         for chunk in response.iter_bytes(4096):
@@ -581,26 +767,18 @@ def _short_body(response: httpx.Response, deadline: float) -> str:
     return data[:4096].decode("utf-8", "replace").strip()
 
 
-def _reason_sentence(reason: str, url: str) -> str:
-    try:
-        meaning = REASONS[Reason(reason)].meaning
-    except ValueError:
-        meaning = "the proxy's egress policy refused it"
-    return f"Sluice refused the request for {url} ({reason}: {meaning}). {POLICY_SUFFIX}"
-
-
 def _proxy_error(message: str, url: str) -> WebError:
-    """A refused CONNECT: httpcore's message is the status line's `CODE PHRASE`."""
+    """A refused CONNECT: httpcore's message is the status line's `CODE PHRASE`
+    (the proxy's own: no tunnel, so no origin, exists yet)."""
     code, _, phrase = message.partition(" ")
     host = httpx.URL(url).host
+    status = int(code) if code.isdigit() else None
     if code == "407":
         return _proxy_auth(url)
     if phrase.startswith("Sluice "):
-        reason = phrase.split(" ", 1)[1].strip()
-        return WebError("web_blocked", _reason_sentence(reason, url), reason=reason, by="proxy", url=url,
-                        status=int(code) if code.isdigit() else None)
-    return WebError("web_unreachable", f"the proxy could not open a tunnel to {host} ({message})", url=url,
-                    status=int(code) if code.isdigit() else None)
+        return refused_by_proxy(phrase.split(" ", 1)[1], "", url, status)
+    return WebError("web_unreachable", f"the proxy could not open a tunnel to {host} ({clean(message, 300)})",
+                    url=url, status=status)
 
 
 def _proxy_auth(url: str) -> WebError:

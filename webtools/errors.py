@@ -29,6 +29,7 @@ ERRORS: dict[str, str] = {
     "web_unsupported_encoding": "the response uses a Content-Encoding the tools cannot decode (named)",
     "web_unsupported_type": "fetch cannot hand this content type to a model (named); refused before the body was read",
     "web_type_mismatch": "an image or PDF whose bytes are not of its declared type (`content_type`; `looks_like` says what they look like); nothing of it is returned",
+    "web_internal_error": "a bug in the web tools, not in the request (the exception is named); nothing was returned: report it",
     "web_busy": "the MCP server is already running its limit of calls at once (SLUICE_WEB_CONCURRENCY, 8 by default); try again when one has answered",
     "web_status_not_ok": "the origin answered with a status outside 2xx (`status`)",
     "web_bad_offset": "offset is not a non-negative whole number",

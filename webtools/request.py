@@ -2,7 +2,7 @@
 
 Only GET (`web_method_not_allowed` otherwise); only `accept` and
 `accept-language` may be set (`web_header_not_allowed` names any other: never
-credentials). A status outside 2xx is a result, not an error: check `status`.
+credentials), each one line of printable ASCII of at most 1000 characters. A status outside 2xx is a result, not an error: check `status`.
 Text and JSON bodies only (`web_not_text` otherwise, from the headers, before
 the body is read). `bytes` and `sha256` are over the body after
 decompression; a body over the result cap (100,000 bytes) is
@@ -15,10 +15,12 @@ import hashlib
 
 from sluice.webtools.client import Fetched, ReadPlan, WebClient, call_client
 from sluice.webtools.errors import WebError
-from sluice.webtools.fetch import decode_text, is_text_type
+from sluice.webtools.fetch import decode_text, header_values, is_text_type
+from sluice.webtools.sanitize import media_type
 
 ALLOWED_HEADERS = ("accept", "accept-language")
 MAX_BODY_BYTES = 100_000
+MAX_HEADER_VALUE_CHARS = 1000
 
 
 def check_headers(headers) -> dict[str, str]:
@@ -30,10 +32,15 @@ def check_headers(headers) -> dict[str, str]:
     out = {}
     for name, value in headers.items():
         if not isinstance(name, str) or name.strip().lower() not in ALLOWED_HEADERS:
-            raise WebError("web_header_not_allowed", f"the header {name!r} may not be set: request sets only accept "
-                           "and accept-language, and never sends credentials", header=str(name))
-        if not isinstance(value, str) or any(c in value for c in "\r\n\0") or len(value) > 1000:
-            raise WebError("web_bad_argument", f"the value of {name} must be one line of text (at most 1000 characters)")
+            shown = str(name)[:100]  # never echo a megabyte of name back
+            raise WebError("web_header_not_allowed", f"the header {shown!r} may not be set: request sets only accept "
+                           "and accept-language, and never sends credentials", header=shown)
+        # HTTP header values are ASCII on the wire (RFC 9110 field-vchar; obs-text is not sent).
+        if (not isinstance(value, str) or len(value) > MAX_HEADER_VALUE_CHARS
+                or not all(" " <= c <= "~" or c == "\t" for c in value)):
+            raise WebError("web_bad_argument", f"the value of {name.strip().lower()} must be one line of printable "
+                           f"ASCII text (at most {MAX_HEADER_VALUE_CHARS} characters), e.g. \"application/json\" or "
+                           "\"en-GB,en;q=0.8\"", argument="headers")
         out[name.strip().lower()] = value
     return out
 
@@ -51,7 +58,7 @@ def request(url: str, method: str = "GET", headers: dict | None = None, *, clien
             if not (is_text_type(f.mime) or (empty and not f.mime)):
                 raise WebError("web_not_text", f"{f.final_url} answered {f.status} with a body of type "
                                f"{f.mime or 'none stated'}: request returns text and JSON only",
-                               status=f.status, content_type=f.content_type, url=f.url, final_url=f.final_url)
+                               status=f.status, content_type=media_type(f.content_type), url=f.url, final_url=f.final_url)
             # Read up to the transport cap, so an over-cap body still gets its bytes and sha256.
             return ReadPlan(client.limits.text_bytes)
 
@@ -64,10 +71,8 @@ def request(url: str, method: str = "GET", headers: dict | None = None, *, clien
                            f"result holds ({cap:,}); no body is returned", bytes=size, sha256=digest,
                            status=fetched.status, url=fetched.url, final_url=fetched.final_url)
         return {
-            "url": fetched.url,
-            "final_url": fetched.final_url,
+            **header_values({"url": fetched.url, "final_url": fetched.final_url, "content_type": fetched.content_type}),
             "status": fetched.status,
-            "content_type": fetched.content_type,
             "body": decode_text(fetched.body, fetched.charset),
             "bytes": size,
             "sha256": digest,

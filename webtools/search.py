@@ -44,6 +44,7 @@ from urllib.parse import parse_qs, parse_qsl, urlencode, urlsplit, urlunsplit
 
 from sluice.webtools.client import Fetched, ReadPlan, WebClient, call_client, first_line_refusal
 from sluice.webtools.errors import WebError
+from sluice.webtools.sanitize import TITLE_CHARS, URL_CHARS, clean, is_clean
 from sluice.policy.urls import split_url
 
 PROVIDERS = ("serper", "brave", "tavily", "firecrawl", "searxng", "duckduckgo", "none")
@@ -53,7 +54,7 @@ KEY_VARS = {"serper": "SERPER_API_KEY", "brave": "BRAVE_SEARCH_API_KEY", "tavily
 URL_VARS = {"firecrawl": "FIRECRAWL_URL", "searxng": "SEARXNG_URL"}
 DEFAULT_COUNT, MAX_COUNT = 10, 20
 MAX_QUERY_CHARS = 400
-MAX_TITLE, MAX_SNIPPET = 300, 600
+MAX_TITLE, MAX_SNIPPET, MAX_SOURCE = TITLE_CHARS, 600, 64
 BODY_CAP = 2 * 1024 * 1024
 SERPER_URL = "https://google.serper.dev/search"
 BRAVE_URL = "https://api.search.brave.com/res/v1/web/search"
@@ -124,11 +125,24 @@ def operator_url(env, var: str, provider: str) -> str:
 # ---------------------------------------------------------------- normalisation
 
 def clean_text(value, limit: int) -> str:
+    """Plain text of a provider's field: tags removed, entities decoded, then
+    the one sanitiser (webtools.sanitize: one line, no controls, bidi or
+    zero-width characters, at most `limit` characters)."""
     if not isinstance(value, str):
         return ""
-    text = re.sub(r"<[^>]*>", "", value)
-    text = re.sub(r"\s+", " ", html.unescape(text)).strip()
-    return text if len(text) <= limit else text[: limit - 1].rstrip() + "…"
+    return clean(html.unescape(re.sub(r"<[^>]*>", "", value[: 8 * limit])), limit)
+
+
+def result_url(url) -> str | None:
+    """A result's URL as given, or None when it cannot be shown as it is:
+    longer than 2,048 characters, or holding whitespace, control, bidi or
+    zero-width characters."""
+    if not isinstance(url, str):
+        return None
+    url = url.strip()
+    if not url or len(url) > URL_CHARS or not is_clean(url) or any(c.isspace() for c in url):
+        return None
+    return url
 
 
 def dedupe_key(url) -> str | None:
@@ -163,17 +177,18 @@ def dedupe_key(url) -> str | None:
 def finish(provider: str, query: str, raw: list[dict], count: int) -> dict:
     results, seen = [], set()
     for item in raw:
-        url = item.get("url")
+        url = result_url(item.get("url"))
         key = dedupe_key(url)
         if key is None or key in seen:
             continue
         seen.add(key)
-        results.append({"title": clean_text(item.get("title"), MAX_TITLE) or url.strip(), "url": url.strip(),
+        source = item.get("source")
+        results.append({"title": clean_text(item.get("title"), MAX_TITLE) or url, "url": url,
                         "snippet": clean_text(item.get("snippet"), MAX_SNIPPET),
-                        "source": str(item.get("source") or provider)})
+                        "source": (clean(source, MAX_SOURCE) if isinstance(source, str) else "") or provider})
         if len(results) >= count:
             break
-    return {"provider": provider, "query": query, "results": results}
+    return {"provider": provider, "query": clean(query, MAX_QUERY_CHARS), "results": results}
 
 
 # ---------------------------------------------------------------- errors
@@ -386,13 +401,26 @@ def _searxng(client, call, query, count):
         raise call.failed(f, f.body[:300].decode("utf-8", "replace"))
     if not isinstance(data, dict) or not isinstance(data.get("results"), list):
         raise call.malformed(f, "a body that is not SearXNG's JSON")
-    if not data["results"] and data.get("unresponsive_engines"):
-        engines = ", ".join(str(e[0] if isinstance(e, list) and e else e) for e in data["unresponsive_engines"])
+    unresponsive = data.get("unresponsive_engines")
+    if not data["results"] and isinstance(unresponsive, list) and unresponsive:
+        # Each entry is [name, why] in SearXNG; anything else is shown as it is, bounded.
+        engines = ", ".join(str(e[0] if isinstance(e, list) and e else e)[:60] for e in unresponsive[:20])
         raise WebError("search_provider_error", f"searxng answered, but its engines did not ({engines}); "
                        "that is not an empty result", provider="searxng", status=f.status, provider_message=engines)
-    return [{"title": r.get("title"), "url": r.get("url"), "snippet": r.get("content"),
-             "source": r.get("engine") or (r.get("engines") or ["searxng"])[0]}
+    return [{"title": r.get("title"), "url": r.get("url"), "snippet": r.get("content"), "source": _searxng_engine(r)}
             for r in data["results"] if isinstance(r, dict)]
+
+
+def _searxng_engine(result: dict) -> str:
+    """The engine behind a SearXNG result: `engine`, else the first of `engines`
+    (a list of names), else "searxng"; a value of another shape is not trusted."""
+    engine = result.get("engine")
+    if isinstance(engine, str) and engine:
+        return engine
+    engines = result.get("engines")
+    if isinstance(engines, list) and engines and isinstance(engines[0], str) and engines[0]:
+        return engines[0]
+    return "searxng"
 
 
 def parse_duckduckgo(body: bytes) -> tuple[list[dict], str]:

@@ -14,6 +14,10 @@ server and the function-calling schemas are all made.
   "object"); `items` is the JSON Schema of an object's values (headers:
   strings). A parameter without a default is required.
 
+`call(tool_name, arguments)` is how the CLI and the MCP server call a tool:
+unknown arguments are refused and every string argument is bounded
+(`STRING_LIMITS`: url 8,192 characters, source_id 100, ...; others 8,192).
+
 `render(tool_name, result)` is the model-facing text of a result (what the
 CLI prints without --json, and the MCP text content); `json_schema(tool)`
 the parameters as JSON Schema with `additionalProperties: false`.
@@ -21,14 +25,19 @@ the parameters as JSON Schema with `additionalProperties: false`.
 
 from __future__ import annotations
 
+import os
+import sys
+import traceback
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from sluice.webtools.client import MAX_URL_CHARS
 from sluice.webtools.fetch import binary_header, fetch, source_read
 from sluice.webtools.read import read
 from sluice.webtools.request import request
 from sluice.webtools.search import MAX_COUNT, PROVIDERS, search
 from sluice.webtools.search import render as render_search
+from sluice.webtools.sitemap import render as render_sitemap
 from sluice.webtools.sitemap import sitemap
 from sluice.webtools.window import DEFAULT_MAX_CHARS, MAX_MAX_CHARS, envelope
 
@@ -75,7 +84,10 @@ TOOLS: dict[str, Tool] = {
         "removed; headings, lists, tables, code and links kept); plain text, markdown, JSON and XML come as they "
         f"are. At most max_chars characters come back per call: when the header says 'pass offset=N to continue', "
         "call again with offset=N (or call web_source_read with the source_id, which needs no new request). "
-        "needs_javascript means the page is an app shell this tool cannot render: find another source. Images "
+        "needs_javascript means the page is an app shell this tool cannot render: find another source. Text a "
+        "reader cannot see (hidden attribute, aria-hidden, display:none, visibility:hidden, opacity:0, font-size:0, "
+        "off-screen; in style attributes or the page's own <style>, not external stylesheets) is left out and "
+        "counted in hidden_chars. Images "
         "(JPEG, PNG, GIF, WebP up to 5 MiB) and PDFs (up to 10 MiB) come back whole. " + _ENVELOPE + " " + _COMMON +
         " Errors: web_status_not_ok (status outside 2xx), web_unsupported_type (a type fetch cannot read), "
         "web_too_large (over the cap for its kind; never truncated), web_offset_past_end (use an offset below "
@@ -93,7 +105,7 @@ TOOLS: dict[str, Tool] = {
     "read": Tool(
         "read", "web_read", "read", read,
         "Read one web page's whole visible text (scripts, styles and markup removed, whitespace collapsed to "
-        "single spaces), its title, and sha256: the hash of exactly that text, which changes only when the words "
+        "single spaces; hidden text left out and counted in hidden_chars, as in web_fetch), its title, and sha256: the hash of exactly that text, which changes only when the words "
         "do, so it tells whether a page changed. HTML only: use web_request for JSON or plain text and web_sitemap "
         "for a sitemap (web_not_html otherwise). A page whose text is too long for one result is refused as "
         "web_page_too_large with its chars and sha256 and no text: that is not the page, so do not summarise it "
@@ -166,36 +178,54 @@ def render(tool_name: str, result: dict) -> str:
         head = [f"Title: {result['title']}"] if result["title"] else []
         head.append(f"URL: {result['final_url']}")
         head.append(f"Status: {result['status']} · {result['chars']:,} characters · sha256 {result['sha256']}")
+        if result.get("hidden_chars"):
+            head.append(f"[{result['hidden_chars']:,} characters of text a reader cannot see were left out]")
         return "\n".join(head + [envelope(result["text"], url=result["final_url"], title=result["title"])])
     if tool_name == "request":
         head = (f"URL: {result['final_url']}\nStatus: {result['status']} · {result['content_type'] or 'no type'} · "
                 f"{result['bytes']:,} bytes · sha256 {result['sha256']}")
         return head + "\n" + envelope(result["body"], url=result["final_url"], tag="body")
     if tool_name == "sitemap":
-        listed = result.get("urls", result.get("sitemaps"))
-        what = "sitemap index" if kind == "sitemap_index" else "sitemap"
-        lines = [f"{what.capitalize()}: {result['final_url']} · {result['total']:,} entries"]
-        if listed is None:
-            lines.append(f"[incomplete: {result['total']:,} entries are more than one result holds; none are listed]")
-        else:
-            lines += [e["loc"] + (f"  (lastmod {e['lastmod']})" if "lastmod" in e else "") for e in listed]
-        return "\n".join(lines)
+        return render_sitemap(result)
     if tool_name == "search":
         return render_search(result)
     raise KeyError(tool_name)
 
 
+# The longest string each argument may be, in characters: a longer one is
+# web_bad_argument before the tool runs, and is never echoed back. `query` is
+# bounded by search itself (400 characters, search_bad_query).
+STRING_LIMITS: dict[str, int | None] = {"url": MAX_URL_CHARS, "source_id": 100, "method": 20, "provider": 40,
+                                        "query": None}
+DEFAULT_STRING_LIMIT = 8192
+
+
 def call(tool_name: str, arguments: dict) -> dict:
-    """Call a tool with model-given arguments: unknown arguments are refused."""
+    """Call a tool with model-given arguments: unknown arguments and
+    over-long strings are refused (web_bad_argument)."""
     tool = TOOLS[tool_name]
     known = {p.name for p in tool.params}
-    extra = sorted(set(arguments) - known)
+    extra = sorted(str(name) for name in set(arguments) - known)
     if extra:
         return {"error": {"code": "web_bad_argument",
-                          "message": f"{tool.mcp_name} takes no argument {extra[0]!r} (it takes {', '.join(sorted(known))})"}}
+                          "message": f"{tool.mcp_name} takes no argument {extra[0][:100]!r} (it takes {', '.join(sorted(known))})"}}
     missing = [p.name for p in tool.params if p.required and p.name not in arguments]
     if missing:
         return {"error": {"code": "web_bad_argument", "message": f"{tool.mcp_name} needs {missing[0]!r}"}}
-    return tool.function(**arguments)
+    for name, value in arguments.items():
+        limit = STRING_LIMITS.get(name, DEFAULT_STRING_LIMIT)
+        if isinstance(value, str) and limit is not None and len(value) > limit:
+            return {"error": {"code": "web_bad_argument", "argument": name, "limit": limit,
+                              "message": f"{name} is {len(value):,} characters long; {tool.mcp_name} takes at most "
+                                         f"{limit:,}"}}
+    try:
+        return tool.function(**arguments)
+    except Exception as e:  # noqa: BLE001 - a bug must still answer as a tool error, never a traceback
+        if os.environ.get("SLUICE_DEBUG"):
+            traceback.print_exc(file=sys.stderr)
+        return {"error": {"code": "web_internal_error", "exception": type(e).__name__,
+                          "message": f"{tool.mcp_name} failed with an internal error ({type(e).__name__}); this is a bug "
+                                     "in the web tools, not something to retry another way (SLUICE_DEBUG=1 prints "
+                                     "the traceback on stderr)"}}
 
 
