@@ -24,7 +24,8 @@ unknown tool name is a JSON-RPC error (invalid params), as the MCP spec says.
 The environment configures the tools as for any caller (SLUICE_PROXY or
 HTTPS_PROXY/..., SLUICE_CA_CERT, SLUICE_SOURCES); `--owner` (else
 SLUICE_OWNER) names the owner of the sources this server captures and may
-read back. Nothing but MCP messages is written to stdout.
+read back; with neither, the server draws a random owner (said on stderr),
+so two servers never share sources by accident. Nothing but MCP messages is written to stdout.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import secrets
 import sys
 
 import anyio
@@ -160,6 +162,11 @@ def run(owner: str | None = None) -> int:
             print("sluice mcp: --owner takes a non-empty name", file=sys.stderr)
             return 2
         os.environ["SLUICE_OWNER"] = owner
+    elif not (os.environ.get("SLUICE_OWNER") or "").strip():
+        # No owner named: this server's sources are its own, not every unnamed process's.
+        os.environ["SLUICE_OWNER"] = random_owner = "mcp:" + secrets.token_hex(16)
+        print(f"sluice mcp: no --owner or SLUICE_OWNER: the sources this server captures belong to the random "
+              f"owner {random_owner} (pass --owner NAME to share them with other processes)", file=sys.stderr)
     try:
         limit = concurrency()
     except ValueError as e:

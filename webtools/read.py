@@ -15,7 +15,8 @@ import hashlib
 
 from sluice.webtools.client import Fetched, ReadPlan, WebClient, call_client
 from sluice.webtools.errors import WebError
-from sluice.webtools.fetch import HTML_TYPES, status_not_ok
+from sluice.webtools.fetch import HTML_TYPES, header_values, status_not_ok
+from sluice.webtools.sanitize import media_type
 
 MAX_TEXT_CHARS = 100_000
 
@@ -28,7 +29,7 @@ def read(url: str, *, client: WebClient | None = None, max_text_chars: int = MAX
             if f.mime not in HTML_TYPES:
                 raise WebError("web_not_html", f"{f.final_url} is {f.mime or 'of no stated type'}, not HTML: read takes "
                                "HTML pages only; use request for text and JSON, sitemap for sitemaps",
-                               content_type=f.content_type, url=f.url, final_url=f.final_url)
+                               content_type=media_type(f.content_type), url=f.url, final_url=f.final_url)
             return ReadPlan(client.limits.text_bytes)
 
         with call_client(client) as client:
@@ -44,11 +45,9 @@ def read(url: str, *, client: WebClient | None = None, max_text_chars: int = MAX
                            url=fetched.url, final_url=fetched.final_url)
         return {
             "kind": "page",
-            "url": fetched.url,
-            "final_url": fetched.final_url,
+            **header_values({"url": fetched.url, "final_url": fetched.final_url,
+                             "content_type": fetched.content_type, "title": title}),
             "status": fetched.status,
-            "content_type": fetched.content_type,
-            "title": title,
             "text": text,
             "chars": len(text),
             "sha256": digest,

@@ -469,7 +469,7 @@ def test_sitemap(web):
     for path in ("/sitemap.xml", "/sitemap.xml.gz", "/gz-sitemap"):
         r = sitemap(f"{BASE}{path}", client=web())
         assert r == {"kind": "sitemap", "url": f"{BASE}{path}", "final_url": f"{BASE}{path}", "complete": True,
-                     "total": 3, "urls": expected}, (path, r)
+                     "total": 3, "dropped": 0, "urls": expected}, (path, r)
     big = sitemap(f"{BASE}/big-sitemap.xml", client=web(text_bytes=1024))  # beyond the page cap
     assert big["complete"] is False and big["total"] == 6000 and "urls" not in big
     index = sitemap(f"{BASE}/index.xml", client=web())

@@ -168,9 +168,10 @@ SITEMAP = (b'<?xml version="1.0" encoding="UTF-8"?>\n<urlset xmlns="http://www.s
 
 
 def test_sitemap_parsing():
-    assert parse_sitemap(SITEMAP) == {"kind": "sitemap", "complete": True, "total": 2, "urls": [
+    assert parse_sitemap(SITEMAP) == {"kind": "sitemap", "complete": True, "total": 2, "dropped": 0, "urls": [
         {"loc": "https://example.com/b", "lastmod": "2024-01-02"}, {"loc": "https://example.com/a"}]}
-    assert parse_sitemap(gzip.compress(SITEMAP), result_cap=1) == {"kind": "sitemap", "complete": False, "total": 2}
+    assert parse_sitemap(gzip.compress(SITEMAP), result_cap=1) == {"kind": "sitemap", "complete": False, "total": 2,
+                                                                    "dropped": 0}
     index = b'<sitemapindex xmlns="http://www.sitemaps.org/schemas/sitemap/0.9"><sitemap><loc>https://e.com/s1.xml</loc></sitemap></sitemapindex>'
     assert parse_sitemap(index)["sitemaps"] == [{"loc": "https://e.com/s1.xml"}]
     many = b"<urlset>" + b"<url><loc>https://e.com/x</loc></url>" * 11 + b"</urlset>"
