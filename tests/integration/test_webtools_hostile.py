@@ -249,3 +249,38 @@ def test_mcp_refuses_a_bad_concurrency_setting(env):
     out = subprocess.run([sluice_executable(), "mcp"], input="", capture_output=True, text=True, timeout=60,
                          env={**env, "SLUICE_WEB_CONCURRENCY": "lots", "PATH": os.environ.get("PATH", "/usr/bin:/bin")})
     assert out.returncode == 2 and "SLUICE_WEB_CONCURRENCY" in out.stderr and "Traceback" not in out.stderr, out
+
+
+# ------------------------------------------------------------------ item 11: tool errors over MCP
+
+def run_mcp(server_env: dict, body):
+    async def main():
+        params = StdioServerParameters(command=sluice_executable(), args=["mcp"], env=server_env)
+        with anyio.fail_after(60):
+            async with Client(params) as client:
+                return await body(client)
+
+    return anyio.run(main)
+
+
+def test_mcp_answers_what_used_to_raise_with_tool_errors(env, canaries):
+    server_env = {**env, "SLUICE_OWNER": "mcp", "PATH": os.environ.get("PATH", "/usr/bin:/bin")}
+
+    async def body(c: Client):
+        return [await c.call_tool("web_request", {"url": f"{BASE}/text.txt", "headers": {"accept": "tëxt/plain"}}),
+                await c.call_tool("web_fetch", {"url": f"{BASE}/" + "a" * 70_000}),
+                await c.call_tool("web_source_read", {"source_id": "s" * 5_000_000}),
+                await c.call_tool("web_request", {"url": f"{BASE}/text.txt", "headers": {"accept": "text/plain"}})]
+
+    nonascii, long_url, huge_id, fine = run_mcp(server_env, body)
+    for result, want in ((nonascii, "web_bad_argument"), (long_url, "web_bad_argument"), (huge_id, "web_bad_argument")):
+        assert result.is_error and result.structured_content["error"]["code"] == want, result
+        assert sum(len(getattr(part, "text", "")) for part in result.content) < 2000  # nothing echoed
+    assert not fine.is_error and fine.structured_content["body"] == "plain text"
+
+    async def one(c: Client):
+        return await c.call_tool("web_fetch", {"url": f"{BASE}/text.txt"})
+
+    bad_proxy = run_mcp({**server_env, "SLUICE_PROXY": "http://127.0.0.1:port"}, one)
+    assert bad_proxy.is_error and bad_proxy.structured_content["error"]["code"] == "web_no_proxy", bad_proxy
+    canaries.assert_untouched()
