@@ -22,7 +22,8 @@ Patches:
   sight, or a complete head has more than `limits.max_header_count` fields
   (the head is then never handed on: no flow, no hook, no upstream); and it
   arms the `limits.header_timeout` deadline when a head is still incomplete
-  after a read.
+  after a read. It tells the guard of each complete head (`head_complete`),
+  which ends the deadline a connection has from accept.
 - `http1_head_deadline` adds `Http1Server._handle_event` around the inherited
   `Http1Connection._handle_event`: it takes the deadline's wakeup (the
   inherited states would raise on it) and answers 408 and closes if that
@@ -83,6 +84,7 @@ from mitmproxy.proxy.layers.http._base import ReceiveHttp
 from mitmproxy.proxy.layers.http._events import ErrorCode, RequestHeaders, RequestProtocolError
 from mitmproxy.proxy.layers.http._http1 import Http1Connection, Http1Server
 
+from sluice.addons import open_files
 from sluice.policy.model import Limits
 
 MITMPROXY_VERSION = "12.3.1"
@@ -100,6 +102,9 @@ class HeadGuard(Protocol):
 
     def refuse_head(self, client: connection.Client, problem: str, limits: Limits) -> bytes:
         """Record the refusal; return the raw HTTP/1 response to send (b"": none)."""
+
+    def head_complete(self, client: connection.Client) -> None:
+        """A whole request head arrived on this client connection."""
 
 
 _head_guard: HeadGuard | None = None
@@ -182,10 +187,13 @@ def _patch_http1_head_caps() -> None:
             return (yield from _refuse_head(self, guard, HEAD_TOO_LARGE, limits))
         parsing = original(self, event)
         for command in parsing:  # Http1Server yields no blocking commands: nothing is sent back
-            if (isinstance(command, ReceiveHttp) and isinstance(command.event, RequestHeaders)
-                    and len(command.event.request.headers.fields) > limits.max_header_count):
-                parsing.close()
-                return (yield from _refuse_head(self, guard, TOO_MANY_FIELDS, limits))
+            if isinstance(command, ReceiveHttp) and isinstance(command.event, RequestHeaders):
+                if len(command.event.request.headers.fields) > limits.max_header_count:
+                    parsing.close()
+                    return (yield from _refuse_head(self, guard, TOO_MANY_FIELDS, limits))
+                complete = getattr(guard, "head_complete", None)
+                if complete is not None:
+                    complete(self.conn)  # the deadline from accept is met
             yield command
         yield from _arm_deadline(self, limits.header_timeout)
 
@@ -434,6 +442,14 @@ class DialRefused(OSError):
     pass
 
 
+class OutOfFilesDial(OSError):
+    """A dial the process had no file descriptor for (EMFILE and the like):
+    reported once (addons/open_files.py) and refused by the caps."""
+
+
+OUT_OF_FILES_DIAL = "the proxy is out of file descriptors and could not open a connection to the origin"
+
+
 DialCheck = Callable[[connection.Client, str, int], bool]
 _dial_check: DialCheck | None = None
 # The client connection whose handler is dialling (set for that task only).
@@ -466,7 +482,13 @@ def _patch_dial_check() -> None:
         client = _dialling_for.get()
         if client is not None and (_dial_check is None or not _dial_check(client, host, port)):
             raise DialRefused(f"pin_mismatch: Sluice refused to dial {host}:{port}, which was not approved for this client connection")
-        return await original_connect(host, port, *args, **kwargs)
+        try:
+            return await original_connect(host, port, *args, **kwargs)
+        except OSError as e:
+            if client is None or not open_files.is_out_of_files(e):
+                raise
+            open_files.report("dialling an origin", e)
+            raise OutOfFilesDial(e.errno, OUT_OF_FILES_DIAL) from None
 
     guarded_open_connection.__sluice_dial_check__ = True
     asyncio.open_connection = guarded_open_connection
@@ -858,29 +880,36 @@ PATCHES["cancelled_handler_close"] = (_patch_cancelled_handler_close, (
 # Toward an HTTP/2 client, mitmproxy keeps what the client's flow-control
 # window does not let it send yet in per-stream buffers
 # (`BufferedH2Connection.stream_buffers`), without bound, while it goes on
-# reading every origin as fast as the origin sends: a client that announces
-# a zero window and opens many streams for large bodies makes the proxy hold
-# them all (2 connections x 50 streams of 9 MiB took it to 1.16 GiB). Its
-# only backpressure, `ConnectionHandler.drain_writers`, waits on the socket
-# buffers of every connection of the handler, so it never sees these.
+# reading every origin as fast as the origin sends: it opens a 2 GiB window
+# toward HTTP/2 origins and acknowledges every byte at once. A client that
+# announces a zero window and opens many streams for large bodies makes the
+# proxy hold them all (2 connections x 50 streams of 9 MiB took it to
+# 1.16 GiB). Its only backpressure, `ConnectionHandler.drain_writers`, waits
+# on the socket buffers of every connection of the handler, so it never sees
+# these, and pausing it would stall the whole client connection.
 #
-# Once a stream's buffer passes `limits.h2_stream_buffer_bytes` (top level),
-# the origin connection that stream's response comes from is no longer read:
-# its reader task waits in `drain_writers` (which every reader awaits after
-# each read) until the buffer is back under half the cap. Only that origin
-# connection's reader waits; the client connection's own reader goes on
-# (WINDOW_UPDATE frames are what drain the buffer), and so do its other
-# origin connections. An HTTP/1 origin carries one stream at a time; an
-# HTTP/2 origin connection carries all of this client connection's streams to
-# it, which then wait together (HTTP/2 flow control toward the origin would
-# stop only the one stream, but mitmproxy opens a 2 GiB window there and
-# acknowledges every byte at once). A stream still passes its cap by at
-# most one read (64 KiB), so one client connection holds at most about
-# h2_max_concurrent_streams x (h2_stream_buffer_bytes + 64 KiB).
+# So each stream's buffer toward the client is watched after every event the
+# client-side layer (`Http2Server`) handles, against the top level's
+# `limits.h2_stream_buffer_bytes` (the cap):
 #
-# `Http2Server.__init__` also announces `limits.h2_max_concurrent_streams`
-# (mitmproxy keeps h2's 100) as SETTINGS_MAX_CONCURRENT_STREAMS; h2 refuses
-# a client that opens more.
+# - the stream's response comes from an HTTP/2 origin: that origin connection
+#   gives the stream a window of half the cap (`Http2Client.__init__`), and
+#   while the stream's buffer is over half the cap what the origin sends on
+#   it is not acknowledged (its `acknowledge_received_data` is held back), so
+#   the origin stops at the window's end; once the client has taken the
+#   buffer down to a quarter of the cap the held acknowledgement goes out.
+#   Only that stream waits: the connection's other streams, and the client's
+#   own reads (its WINDOW_UPDATE frames are what drain the buffer), go on.
+# - from an HTTP/1 origin (one stream per origin connection): that origin
+#   connection's reader waits in `drain_writers` (which every reader awaits
+#   after each read) while the buffer is over the cap, until the client has
+#   taken it down to half.
+#
+# Either way a stream holds at most about the cap plus one read (64 KiB),
+# and one client connection at most h2_max_concurrent_streams times that.
+# `Http2Server.__init__` announces `limits.h2_max_concurrent_streams`
+# (mitmproxy keeps h2's 100) as SETTINGS_MAX_CONCURRENT_STREAMS; h2 refuses a
+# client that opens more.
 
 class _ReadHold:
     """An origin connection that is not read while any of its streams is over the cap."""
@@ -899,52 +928,83 @@ def _h2_limits() -> Limits | None:
     return _head_guard.head_limits() if _head_guard is not None else None
 
 
+def _origin_window(cap: int) -> int:
+    """The stream window an HTTP/2 origin gets (SETTINGS_INITIAL_WINDOW_SIZE)."""
+    return min(max(cap // 2, 16 * 1024), 2**31 - 1)
+
+
 def _stream_buffered(h2_conn, stream_id: int) -> int:
     chunks = h2_conn.stream_buffers.get(stream_id)  # a defaultdict: .get never adds
     return sum(len(chunk.data) for chunk in chunks) if chunks else 0
 
 
-def _origin_of(layer_, stream_id: int) -> connection.Connection | None:
-    """The server connection the stream's response comes from."""
+def _http_layer(layer_):
     from mitmproxy.proxy.layers.http import HttpLayer
 
     for below in reversed(layer_.context.layers):
         if isinstance(below, HttpLayer):
-            stream = below.streams.get(stream_id)
-            return stream.context.server if stream is not None else None
+            return below
     return None
 
 
-def _hold(layer_, stream_id: int, server: connection.Connection) -> None:
-    _read_holds.setdefault(server, _ReadHold()).streams.add((id(layer_), stream_id))
-    layer_._sluice_held[stream_id] = server
+def _h2_origin(http_layer, server: connection.Connection):
+    """The Http2Client speaking to `server` (None: the origin is not HTTP/2)."""
+    from mitmproxy.proxy.layers.http._http2 import Http2Client
+
+    found = http_layer.connections.get(server)
+    for _ in range(8):  # down the server's stack: TLS, HttpClient, then the protocol layer
+        if found is None or isinstance(found, Http2Client):
+            return found if found is not None and hasattr(found, "_sluice_withheld") else None
+        found = getattr(found, "child_layer", None)
+    return None
 
 
-def _release(layer_, stream_id: int) -> None:
-    server = layer_._sluice_held.pop(stream_id)
-    hold = _read_holds.get(server)
-    if hold is None:
-        return
-    hold.streams.discard((id(layer_), stream_id))
-    if not hold.streams:
-        del _read_holds[server]
-        hold.released.set()
-
-
-def _check_stream(layer_, stream_id: int, cap: int) -> None:
+def _check_stream(layer_, stream_id: int, cap: int) -> list:
+    """Hold or release one stream's origin; returns the commands to send."""
     buffered = _stream_buffered(layer_.h2_conn, stream_id)
-    if stream_id in layer_._sluice_held:
-        if buffered <= cap // 2:
-            _release(layer_, stream_id)
+    held = layer_._sluice_held.get(stream_id)
+    if held is not None:
+        return _release(layer_, stream_id) if buffered <= held[0] else []
+    if buffered <= cap // 2:
+        return []
+    http_layer = _http_layer(layer_)
+    stream = http_layer.streams.get(stream_id) if http_layer is not None else None
+    server = stream.context.server if stream is not None else None
+    if server is None or server is layer_.conn:
+        return []
+    origin = _h2_origin(http_layer, server)
+    if origin is not None:
+        ours = origin.our_stream_id.get(stream_id)
+        if ours is not None:
+            origin._sluice_withheld.setdefault(ours, 0)
+            layer_._sluice_held[stream_id] = (cap // 4, origin, ours)
     elif buffered > cap:
-        server = _origin_of(layer_, stream_id)
-        if server is not None and server is not layer_.conn:
-            _hold(layer_, stream_id, server)
+        _read_holds.setdefault(server, _ReadHold()).streams.add((id(layer_), stream_id))
+        layer_._sluice_held[stream_id] = (cap // 2, server, None)
+    return []
+
+
+def _release(layer_, stream_id: int, send: bool = True) -> list:
+    _, held, ours = layer_._sluice_held.pop(stream_id)
+    if ours is not None:  # an HTTP/2 origin: hand back the window it was not given
+        size = held._sluice_withheld.pop(ours, 0)
+        if not (size and send and held.conn.connected):
+            return []
+        held.h2_conn.acknowledge_received_data(size, ours)  # no longer withheld: goes through
+        data = held.h2_conn.data_to_send()
+        return [commands.SendData(held.conn, data)] if data else []
+    hold = _read_holds.get(held)
+    if hold is not None:
+        hold.streams.discard((id(layer_), stream_id))
+        if not hold.streams:
+            del _read_holds[held]
+            hold.released.set()
+    return []
 
 
 def _patch_h2_stream_buffer_cap() -> None:
     from mitmproxy.proxy.layers.http._events import ResponseData
-    from mitmproxy.proxy.layers.http._http2 import Http2Server
+    from mitmproxy.proxy.layers.http._http2 import Http2Client, Http2Server
 
     def make_handle_event(original):
         def _handle_event(self, event):
@@ -952,20 +1012,23 @@ def _patch_h2_stream_buffer_cap() -> None:
             held = self.__dict__.setdefault("_sluice_held", {})
             if "_handle_event" in self.__dict__:  # closed: mitmproxy switched this layer to `done`
                 for stream_id in list(held):
-                    _release(self, stream_id)
+                    _release(self, stream_id, send=False)
                 return
             limits = _h2_limits()
             if limits is None:
                 return
+            cap = limits.h2_stream_buffer_bytes
             if isinstance(event, ResponseData):
-                _check_stream(self, event.stream_id, limits.h2_stream_buffer_bytes)
+                for command in _check_stream(self, event.stream_id, cap):
+                    yield command
             for stream_id in [s for s in held if not isinstance(event, ResponseData) or s != event.stream_id]:
                 # The client's WINDOW_UPDATE (or RST_STREAM, or the end of
                 # the connection) may have drained any held stream.
-                _check_stream(self, stream_id, limits.h2_stream_buffer_bytes)
+                for command in _check_stream(self, stream_id, cap):
+                    yield command
         return _handle_event
 
-    def make_init(original):
+    def make_server_init(original):
         @functools.wraps(original)
         def __init__(self, context):
             original(self, context)
@@ -973,6 +1036,28 @@ def _patch_h2_stream_buffer_cap() -> None:
             if limits is not None:
                 self.h2_conn.local_settings.max_concurrent_streams = limits.h2_max_concurrent_streams
                 self.h2_conn.local_settings.acknowledge()  # effective now, and sent in the first SETTINGS
+        return __init__
+
+    def make_client_init(original):
+        @functools.wraps(original)
+        def __init__(self, context):
+            original(self, context)
+            limits = _h2_limits()
+            if limits is None:
+                return
+            self.h2_conn.local_settings.initial_window_size = _origin_window(limits.h2_stream_buffer_bytes)
+            self.h2_conn.local_settings.acknowledge()  # sent in the first SETTINGS
+            withheld: dict[int, int] = {}  # our stream id -> bytes received and not yet acknowledged
+            self._sluice_withheld = withheld
+            shipped = self.h2_conn.acknowledge_received_data
+
+            def acknowledge_received_data(acknowledged_size: int, stream_id: int) -> None:
+                if stream_id in withheld:
+                    withheld[stream_id] += acknowledged_size
+                else:
+                    shipped(acknowledged_size, stream_id)
+
+            self.h2_conn.acknowledge_received_data = acknowledge_received_data
         return __init__
 
     def make_drain(original):
@@ -996,18 +1081,25 @@ def _patch_h2_stream_buffer_cap() -> None:
         return drain_writers
 
     _wrap_once(Http2Server, "_handle_event", "__sluice_h2_stream_buffer_cap__", make_handle_event)
-    _wrap_once(Http2Server, "__init__", "__sluice_h2_max_concurrent_streams__", make_init)
+    _wrap_once(Http2Server, "__init__", "__sluice_h2_max_concurrent_streams__", make_server_init)
+    _wrap_once(Http2Client, "__init__", "__sluice_h2_stream_buffer_cap__", make_client_init)
     _wrap_once(server.ConnectionHandler, "drain_writers", "__sluice_h2_stream_buffer_cap__", make_drain)
 
 
 PATCHES["h2_stream_buffer_cap"] = (_patch_h2_stream_buffer_cap, (
     "mitmproxy.proxy.layers.http._http2:Http2Server._handle_event",
     "mitmproxy.proxy.layers.http._http2:Http2Server.__init__",
+    "mitmproxy.proxy.layers.http._http2:Http2Client.__init__",
+    "mitmproxy.proxy.layers.http._http2:Http2Client._handle_event",
     "mitmproxy.proxy.layers.http._http2:Http2Connection._handle_event",
+    "mitmproxy.proxy.layers.http._http2:Http2Connection.handle_h2_event",
     "mitmproxy.proxy.layers.http._http2:Http2Connection.close_connection",
+    "mitmproxy.proxy.layers.http._http_h2:BufferedH2Connection.__init__",
     "mitmproxy.proxy.layers.http._http_h2:BufferedH2Connection.send_data",
     "mitmproxy.proxy.layers.http._http_h2:BufferedH2Connection.stream_window_updated",
     "mitmproxy.proxy.server:ConnectionHandler.drain_writers",
     "mitmproxy.proxy.server:ConnectionHandler.handle_connection",
     "mitmproxy.proxy.layers.http:HttpLayer.make_stream",
+    "mitmproxy.proxy.layers.http:HttpLayer.get_connection",
+    "mitmproxy.proxy.layers.http:HttpClient._handle_event",
 ))

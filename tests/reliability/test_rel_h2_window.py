@@ -10,11 +10,14 @@ plain port. It counts the body bytes it has handed to its sockets.
   to the proxy, announce SETTINGS_INITIAL_WINDOW_SIZE 0, open 20 streams for
   4 MiB each and read nothing. Without `h2_stream_buffer_cap`
   (addons/mitm_patches.py) the proxy reads all 160 MiB from the origin and
-  holds it (RSS +160 MiB and more); with it, the proxy stops reading the origin
-  connection once a stream holds `limits.h2_stream_buffer_bytes`, so RSS stays
-  under the documented bound, connections x streams x (buffer cap + one read),
-  and the origin is held back. The client then opens its window and every
-  stream arrives whole: nothing was dropped, the held origin is read again.
+  holds it (RSS +160 MiB and more); with it, a stream that holds half of
+  `limits.h2_stream_buffer_bytes` is no longer acknowledged to the origin
+  (which then stops at the end of its stream window, half the cap), so RSS
+  stays under the documented bound, connections x streams x (buffer cap +
+  one read), and the origin is held back. One stream whose window the client opens
+  arrives whole while its siblings stay held (no head-of-line blocking on
+  the shared origin connection). The client then opens every window and
+  every stream arrives whole: nothing was dropped, the held origin resumes.
   The proxy announces the policy's `h2_max_concurrent_streams`.
 - For comparison, slow readers that are bounded by TCP backpressure alone:
   plain HTTP/1 through the proxy, HTTP/1 inside an intercepted tunnel, and
@@ -258,6 +261,20 @@ class ZeroWindowClient:
         assert self.settings_seen, "the proxy sent no SETTINGS"
         return self.conn.remote_settings
 
+    def read_one(self, stream_id: int, timeout: float = 30.0) -> int:
+        """Open the window of one stream only (and the connection's) and read
+        until that stream ends (bounded); the others stay at window 0."""
+        self.conn.increment_flow_control_window(2**30)
+        self.conn.increment_flow_control_window(2**30, stream_id=stream_id)
+        self.sock.sendall(self.conn.data_to_send())
+        deadline = time.monotonic() + timeout
+        while stream_id not in self.ended and time.monotonic() < deadline:
+            try:
+                self._pump()
+            except TimeoutError:
+                break
+        return self.received[stream_id]
+
     def read_all(self, timeout: float = 60.0) -> dict[int, int]:
         """Open the windows and read every stream to its end (bounded)."""
         self.conn.update_settings({h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: 4 * MIB})
@@ -301,6 +318,14 @@ def test_zero_window_h2_streams_are_bounded(proxy, origin, sluice_ca):
               f"+{growth / MIB:.1f} MiB (bound {BOUND / MIB:.1f} MiB + {SLACK // MIB} MiB slack)")
         assert growth < BOUND + SLACK, f"proxy RSS grew {growth / MIB:.1f} MiB with the client reading nothing"
         assert sent < total // 2, f"the origin sent {sent / MIB:.1f} MiB: the proxy kept reading it"
+
+        # A stream the client reads is not held back by those it does not
+        # read (they share one connection to the origin).
+        last = max(clients[1].received)
+        with RssPeak(pid) as peak:
+            got = clients[1].read_one(last)
+        assert got == BODY, f"stream {last} got {got} of {BODY} bytes while its siblings were held"
+        assert peak.peak * KIB - baseline < BOUND + SLACK
 
         # Nothing was lost: opened windows get every stream whole.
         received = clients[0].read_all()

@@ -65,6 +65,12 @@ RECORDED = {
     "mitmproxy.proxy.layers.http._http_h2:BufferedH2Connection.stream_window_updated": "3be939b870a5f8e4",
     "mitmproxy.proxy.server:ConnectionHandler.drain_writers": "6b57434604561e3e",
     "mitmproxy.proxy.layers.http:HttpLayer.make_stream": "654959c6e74548e1",
+    "mitmproxy.proxy.layers.http._http2:Http2Client.__init__": "e4b5d0162e44ceaa",
+    "mitmproxy.proxy.layers.http._http2:Http2Client._handle_event": "02de05a5b89f087b",
+    "mitmproxy.proxy.layers.http._http2:Http2Connection.handle_h2_event": "f6b6a52b12548102",
+    "mitmproxy.proxy.layers.http._http_h2:BufferedH2Connection.__init__": "73fce8e17f54112a",
+    "mitmproxy.proxy.layers.http:HttpLayer.get_connection": "1aa1c63e3175766c",
+    "mitmproxy.proxy.layers.http:HttpClient._handle_event": "bc1cae775a49a4fe",
 }
 
 
