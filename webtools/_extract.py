@@ -28,6 +28,8 @@ import html2text
 from lxml import etree
 from lxml import html as lxml_html
 
+from sluice.webtools import _hidden
+
 # --- parsing ---------------------------------------------------------------
 
 _XML_DECL = re.compile(r"^\s*<\?xml[^>]*>", re.IGNORECASE)
@@ -35,9 +37,44 @@ _WS = re.compile(r"\s+")
 _BAD_CHARS = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\ufffe\uffff]")
 
 
+# libxml2 checks each attribute of a tag against all the ones before it
+# (quadratic: one tag of 40,000 attributes took 47 s through the pipeline), so
+# a tag with more than _MAX_ATTRIBUTES keeps its first ones plus any of the
+# attributes that decide visibility, links and structure. The tokenizer is one
+# left-to-right pass of possessive patterns (no backtracking): linear.
+_MAX_ATTRIBUTES = 128
+_ATTRIBUTE = r"""[\t\n\f\r /]*+([^\t\n\f\r />][^\t\n\f\r />=]*+)(?:[\t\n\f\r ]*+=[\t\n\f\r ]*+(?:"[^"]*+"|'[^']*+'|[^\t\n\f\r >]++))?+"""
+_TAG_NAME = re.compile(r"<[A-Za-z][^\t\n\f\r />]*+")
+_START_TAG = re.compile(_TAG_NAME.pattern + r"(?:" + _ATTRIBUTE + r")*+")
+_ONE_ATTRIBUTE = re.compile(_ATTRIBUTE)
+_KEPT_ATTRIBUTES = frozenset({"hidden", "aria-hidden", "style", "class", "id", "href", "src", "role", "type",
+                              "charset", "content", "http-equiv", "media", "itemprop"})
+
+
+def _cap_attributes(m: re.Match) -> str:
+    tag = m.group(0)
+    if len(tag) <= 2 * _MAX_ATTRIBUTES:  # too short to hold more attributes than the cap
+        return tag
+    name_end = _TAG_NAME.match(tag).end()
+    attrs = list(_ONE_ATTRIBUTE.finditer(tag, name_end))
+    if len(attrs) <= _MAX_ATTRIBUTES:
+        return tag
+    seen = set()
+    kept = []
+    for i, a in enumerate(attrs):
+        name = a.group(1).lower()
+        if name in seen:
+            continue  # a repeated attribute is ignored by the parser anyway
+        if i < _MAX_ATTRIBUTES or name in _KEPT_ATTRIBUTES:
+            seen.add(name)
+            kept.append(a.group(0))
+    return tag[:name_end] + "".join(kept)
+
+
 def _parse(text: str):
     """An lxml HtmlElement root, or None when there is nothing to parse."""
     text = _BAD_CHARS.sub(" ", _XML_DECL.sub("", text, count=1))
+    text = _START_TAG.sub(_cap_attributes, text)
     if not text.strip():
         return None
     # huge_tree lifts libxml2's nesting limit (256), past which it drops the rest
@@ -56,9 +93,13 @@ def _collapse(s: str) -> str:
     return _WS.sub(" ", s).strip()
 
 
+# The title as produced (result dicts cut it further, webtools.sanitize).
+_TITLE_MAX_CHARS = 4096
+
+
 def _title(root) -> str | None:
     for el in root.iter("title"):
-        t = _collapse(el.text_content())
+        t = _collapse(el.text_content()[: 4 * _TITLE_MAX_CHARS])[:_TITLE_MAX_CHARS]
         if t:
             return t
     return None
@@ -89,18 +130,8 @@ _POSITIVE = re.compile(
     r"docs?|message|thread|product|description)(?:$|[\s_\-]|\w)", re.IGNORECASE)
 _CHROME_ROLES = {"navigation", "banner", "contentinfo", "complementary", "search", "menu", "menubar",
                  "dialog", "alertdialog", "toolbar", "tablist"}
-_HIDDEN_STYLE = re.compile(r"display\s*:\s*none|visibility\s*:\s*hidden", re.IGNORECASE)
-
-
 def _attrs(el) -> str:
     return f"{el.get('class') or ''} {el.get('id') or ''}"
-
-
-def _is_hidden(el) -> bool:
-    if el.get("hidden") is not None or (el.get("aria-hidden") or "").lower() == "true":
-        return True
-    style = el.get("style")
-    return bool(style and _HIDDEN_STYLE.search(style))
 
 
 def _drop(el) -> None:
@@ -152,7 +183,7 @@ def _clean(root, *, chrome: bool, negative: re.Pattern = _NEGATIVE) -> None:
                 _drop(child)
                 continue
             tag = tag.lower()
-            if tag in _NEVER_CONTENT or _is_hidden(child):
+            if tag in _NEVER_CONTENT:
                 _drop(child)
                 continue
             if tag == "img":
@@ -284,8 +315,8 @@ def _prune(nodes: list, text_len: dict, link_len: dict) -> None:
 
 # --- markdown --------------------------------------------------------------
 
-def _h2t(base_url: str | None) -> html2text.HTML2Text:
-    h = html2text.HTML2Text(baseurl=base_url or "")
+def _h2t() -> html2text.HTML2Text:
+    h = html2text.HTML2Text(baseurl="")
     h.body_width = 0
     h.unicode_snob = True
     h.ignore_images = False
@@ -302,6 +333,7 @@ def _h2t(base_url: str | None) -> html2text.HTML2Text:
     return h
 
 
+_BACKTICKS = re.compile(r"`{3,}")
 _LANG = re.compile(r"(?:language|lang|highlight)-([A-Za-z0-9_+#.\-]{1,24})")
 _BLANKS = re.compile(r"\n{3,}")
 
@@ -323,9 +355,10 @@ def _fence_code(nodes: list) -> dict[str, str]:
                 if m:
                     lang = m.group(1)
                     break
-            fence = "```"
-            while fence in code:
-                fence += "`"
+            # One backtick more than the longest run inside (one regex pass,
+            # not a loop that grows the fence by one and searches again).
+            longest = max((len(run) for run in _BACKTICKS.findall(code)), default=0)
+            fence = "`" * max(3, longest + 1)
             key = f"SLUICECODE{nonce}X{len(blocks)}"
             blocks[key] = f"{fence}{lang}\n{code}\n{fence}"
             repl = lxml_html.Element("p")
@@ -344,12 +377,13 @@ def _unfence(md: str, blocks: dict[str, str]) -> str:
     return md
 
 
-def _markdown(nodes: list, base_url: str | None, blocks: dict[str, str] | None = None) -> str:
+def _markdown(nodes: list, blocks: dict[str, str] | None = None) -> str:
+    """html2text over `nodes`, whose links _resolve_links has already made absolute."""
     blocks = {**(blocks or {}), **_fence_code(nodes)}
     parts = []
     for node in nodes:
         parts.append(lxml_html.tostring(node, encoding="unicode", method="html", with_tail=False))
-    md = _h2t(base_url).handle("".join(parts))
+    md = _h2t().handle("".join(parts))
     md = _unfence(md, blocks)
     md = "\n".join(line.rstrip() for line in md.split("\n"))
     return _BLANKS.sub("\n\n", md).strip() + "\n" if md.strip() else ""
@@ -366,10 +400,16 @@ def _looks_like_app(root, body_text_len: int, had_scripts: bool) -> bool:
     return body_text_len < 200
 
 
+# A link target (after resolution) or <base href> longer than this is dropped
+# (the link's text stays): 20,000 links against a 20,000-character base once
+# made 400 MB of markdown from a 340 KB page.
+MAX_URL_CHARS = 2048
+
+
 def _base(root, base_url: str | None) -> str | None:
     for el in root.iter("base"):
         href = (el.get("href") or "").strip()
-        if href:
+        if href and len(href) <= MAX_URL_CHARS:
             try:
                 return urljoin(base_url or "", href)
             except ValueError:
@@ -378,7 +418,42 @@ def _base(root, base_url: str | None) -> str | None:
     return base_url
 
 
-def _reduce(body, base_url: str | None) -> str:
+def _resolve_links(body, base_url: str | None, budget: int, *, fragments: bool = True) -> None:
+    """Make link targets and image sources absolute, in place, within bounds.
+
+    A target over MAX_URL_CHARS, or one that does not resolve, loses its
+    attribute (the text stays); so does every target once resolution has added
+    `budget` characters to the page in all. `fragments=False` leaves "#x"
+    targets as they are (html2text skips them as internal links)."""
+    grown = 0
+    joined: dict[str, str | None] = {}
+    for el in body.iter("a", "img", "area"):
+        attr = "src" if el.tag == "img" else "href"
+        target = el.get(attr)
+        if target is None:
+            continue
+        target = target.strip()
+        if not fragments and target.startswith("#"):
+            continue
+        resolved = target
+        if base_url:
+            resolved = joined.get(target, "")
+            if resolved == "":
+                try:
+                    resolved = urljoin(base_url, target)
+                except ValueError:
+                    resolved = None
+                if len(joined) < 10_000:
+                    joined[target] = resolved
+        if resolved is not None and len(resolved) <= MAX_URL_CHARS:
+            grown += max(0, len(resolved) - len(target))
+            if grown <= budget:
+                el.set(attr, resolved)
+                continue
+        del el.attrib[attr]
+
+
+def _reduce(body) -> str:
     """Sluice's own reducer (the fallback): full chrome removal, block scoring, html2text."""
     _clean(body, chrome=True)
     text_len, link_len = _measure(body)
@@ -390,7 +465,7 @@ def _reduce(body, base_url: str | None) -> str:
         nodes = _gather(best, best_score, scores, text_len, link_len)
         _prune(nodes, text_len, link_len)
     try:
-        return _markdown(nodes, base_url)
+        return _markdown(nodes)
     except Exception:  # html2text on hostile markup: fall back to the text
         return _collapse(" ".join(n.text_content() for n in nodes))
 
@@ -398,15 +473,18 @@ def _reduce(body, base_url: str | None) -> str:
 _TRAILING_WS = re.compile(r"[ \t]+$", re.MULTILINE)
 
 
-def _trafilatura(root, base_url: str | None) -> str:
-    """trafilatura's main-content extraction as markdown ("" when it finds none or fails)."""
+def _trafilatura(root) -> str:
+    """trafilatura's main-content extraction as markdown ("" when it finds none or fails).
+
+    The links are already absolute (_resolve_links), so trafilatura gets no URL
+    to join them against again (a second urljoin per link, and unbounded)."""
     import logging
 
     import trafilatura
 
     logging.getLogger("trafilatura").setLevel(logging.CRITICAL)
     try:
-        md = trafilatura.extract(root, url=base_url, output_format="markdown", include_links=True,
+        md = trafilatura.extract(root, url=None, output_format="markdown", include_links=True,
                                  include_formatting=True, include_tables=True, include_images=False,
                                  include_comments=False, deduplicate=False, with_metadata=False)
     except (Exception, RecursionError):
@@ -420,9 +498,26 @@ def _trafilatura(root, base_url: str | None) -> str:
 # Above this many characters of text (after scripts and hidden parts are
 # dropped) the page is converted without main-content extraction.
 _EXTRACT_MAX_CHARS = 1_000_000
+# Nor does a pre-reduced page of more elements than this (trafilatura costs
+# ~60 us an element: 20,000 bare links took 1.2 s); a real page has a few
+# thousand left after the pre-reduction (the 2 MiB bench page: 6,400).
+_EXTRACT_MAX_ELEMENTS = 20_000
 
 
-def convert(text: str, base_url: str | None):
+def _more_elements_than(el, n: int) -> bool:
+    for i, _ in enumerate(el.iter(), 1):
+        if i > n:
+            return True
+    return False
+
+
+def _body(root):
+    body = root.find("body")
+    return root if body is None else body
+
+
+def convert(text: str, base_url: str | None, *, max_chars: int):
+    """The page as webtools.convert.Converted, its markdown at most `max_chars` characters."""
     from sluice.webtools.convert import Converted
 
     root = _parse(text)
@@ -431,56 +526,60 @@ def convert(text: str, base_url: str | None):
     title = _title(root)
     base_url = _base(root, base_url)
     had_scripts = next(root.iter("script"), None) is not None
-    body = root.find("body")
-    if body is None:
-        body = root
+    body = _body(root)
+    hidden_chars = _hidden.drop_hidden(body)
     _clean(body, chrome=False)
     full_len = len(_collapse(body.text_content()))
     needs_js = _looks_like_app(root, full_len, had_scripts)
     if full_len == 0:
-        return Converted(title=title, markdown="", needs_javascript=needs_js)
+        return Converted(title=title, markdown="", needs_javascript=needs_js, hidden_chars=hidden_chars)
     _clean(body, chrome=True, negative=_CONSENT)
-    if base_url:
-        # trafilatura resolves relative links against the site's root, not the
-        # page: resolve them here, against the page (or its <base href>).
-        try:
-            body.make_links_absolute(base_url, resolve_base_href=False, handle_failures="discard")
-        except ValueError:
-            pass
+    # trafilatura resolves relative links against the site's root, not the
+    # page: resolve them here, against the page (or its <base href>), within
+    # bounds: resolution may add at most the page's own length in all.
+    _resolve_links(body, base_url, len(text))
     # Code blocks go round the extractor as placeholders: trafilatura drops
     # their blank lines and their language.
     blocks = _fence_code([body])
-    if full_len > _EXTRACT_MAX_CHARS:
+    if full_len > _EXTRACT_MAX_CHARS or _more_elements_than(body, _EXTRACT_MAX_ELEMENTS):
         # So much text that it is mostly content (a long thread, a full book
-        # chapter): extraction would cost several times html2text for little
-        # gain, so the pre-reduced page is converted as it is.
-        return Converted(title=title, markdown=_markdown([body], base_url, blocks), needs_javascript=needs_js)
-    md = _trafilatura(root, base_url)
-    if md and blocks:
-        md = _unfence(md, blocks)
-        md = _BLANKS.sub("\n\n", md).strip() + "\n"
-    if len(md) < 250:
-        # trafilatura found nothing, or next to nothing (a short note, a page of
-        # links, a table-only page): Sluice's own reducer on a fresh parse, if it
-        # finds more.
-        fresh = _parse(text)
-        fbody = fresh.find("body") if fresh is not None else None
-        if fbody is not None:
-            _clean(fbody, chrome=False)
-            own = _reduce(fbody, base_url)
-            if len(own) > len(md):
-                md = own
-    return Converted(title=title, markdown=md, needs_javascript=needs_js)
+        # chapter), or so many elements: extraction would cost several times
+        # html2text for little gain, so the pre-reduced page is converted as it is.
+        md = _markdown([body], blocks)
+    else:
+        md = _trafilatura(root)
+        if md and blocks:
+            md = _unfence(md, blocks)
+            md = _BLANKS.sub("\n\n", md).strip() + "\n"
+        if len(md) < 250:
+            # trafilatura found nothing, or next to nothing (a short note, a page of
+            # links, a table-only page): Sluice's own reducer on a fresh parse, if it
+            # finds more.
+            fresh = _parse(text)
+            if fresh is not None:
+                fbody = _body(fresh)
+                _hidden.drop_hidden(fbody)
+                _clean(fbody, chrome=False)
+                _resolve_links(fbody, base_url, len(text), fragments=False)
+                own = _reduce(fbody)
+                if len(own) > len(md):
+                    md = own
+    cut = len(md) > max_chars
+    if cut:
+        md = md[:max_chars]
+    return Converted(title=title, markdown=md, needs_javascript=needs_js, cut=cut, hidden_chars=hidden_chars)
 
 
 _INVISIBLE = {"script", "style", "noscript", "template", "head", "title", "meta", "link", "base"}
 
 
-def visible(text: str) -> tuple[str | None, str]:
+def visible(text: str) -> tuple[str | None, str, int]:
+    """(title, the visible text with whitespace collapsed, characters of hidden text dropped)."""
     root = _parse(text)
     if root is None:
-        return None, ""
+        return None, "", 0
     title = _title(root)
+    hidden_chars = _hidden.drop_hidden(_body(root))
     parts: list[str] = []
     skip = 0
     for event, el in etree.iterwalk(root, events=("start", "end")):
@@ -507,4 +606,4 @@ def visible(text: str) -> tuple[str | None, str]:
                 parts.append(" ")
             if el.tail:
                 parts.append(el.tail)
-    return title, _collapse("".join(parts))
+    return title, _collapse("".join(parts)), hidden_chars

@@ -15,20 +15,20 @@ is faster than html2text alone on a boilerplate-heavy page (see README,
 "Web tools: extraction quality and speed"). Callers cap the input's size
 (fetch reads at most 2 MiB).
 
-Decoding: the encoding the caller gives (from Content-Type) wins, else a byte
-order mark, else the document's own `<meta charset>` (first 4 KiB), else UTF-8;
-undecodable bytes become U+FFFD.
+Decoding (webtools.charsets, the WHATWG Encoding Standard's labels): a byte
+order mark wins, as in browsers; else the charset the caller gives (from
+Content-Type), else the document's own `<meta charset>` (first 4 KiB), else
+UTF-8. A label that is not a WHATWG label (`undefined`, `punycode`, `idna`)
+is no encoding; undecodable bytes become U+FFFD.
 """
 
 from __future__ import annotations
 
-import codecs
-import re
 from dataclasses import dataclass
 
-from sluice.webtools import _extract
+from sluice.webtools import _extract, charsets
 
-__all__ = ["Converted", "decode_html", "html_to_markdown", "visible_text"]
+__all__ = ["Converted", "Visible", "decode_html", "html_to_markdown", "page_text", "visible_text"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,61 +36,45 @@ class Converted:
     title: str | None
     markdown: str  # the page's main content as markdown
     needs_javascript: bool  # an app shell: almost no text, scripts present
+    cut: bool = False  # the markdown reached its bound (2x the input, or max_chars) and was cut there
+    hidden_chars: int = 0  # characters of text a reader cannot see, dropped (webtools._hidden)
 
 
-_META_CHARSET = re.compile(
-    rb"""<meta[^>]{0,512}?charset\s*=\s*["']?\s*([A-Za-z0-9_.:\-]{1,40})""", re.IGNORECASE
-)
-# WHATWG's encoding standard: these labels mean windows-1252 in a browser.
-_ALIASES = {"iso-8859-1": "cp1252", "latin-1": "cp1252", "latin1": "cp1252", "us-ascii": "cp1252",
-            "ascii": "cp1252", "iso8859-1": "cp1252", "l1": "cp1252", "x-user-defined": "cp1252",
-            "unicode": "utf-16-le", "utf-16": "utf-16-le"}
-_BOMS = ((codecs.BOM_UTF8, "utf-8"), (codecs.BOM_UTF16_LE, "utf-16-le"), (codecs.BOM_UTF16_BE, "utf-16-be"))
-
-
-def _codec(name: str | bytes | None) -> str | None:
-    if not name:
-        return None
-    if isinstance(name, bytes):
-        name = name.decode("ascii", "replace")
-    label = name.strip().strip("\"'").lower()
-    label = _ALIASES.get(label, label)
-    try:
-        info = codecs.lookup(label)
-    except (LookupError, ValueError):
-        return None
-    if info.name in {"utf-7", "rot-13", "base64", "hex", "zlib", "bz2", "quopri", "uu"}:  # not text encodings
-        return None
-    return info.name
+@dataclass(frozen=True, slots=True)
+class Visible:
+    title: str | None
+    text: str  # every word a reader could see, whitespace collapsed to single spaces
+    hidden_chars: int  # characters of text a reader cannot see, dropped
 
 
 def decode_html(html: bytes | str, encoding: str | None = None) -> str:
-    """The document as text: `encoding`, else BOM, else `<meta charset>`, else UTF-8 (with replacement)."""
+    """The document as text, decoded as a browser does (webtools.charsets): a BOM,
+    else the `encoding` label, else `<meta charset>`, else UTF-8 (with replacement)."""
     if isinstance(html, str):
         return html
-    data = bytes(html)
-    codec = _codec(encoding)
-    if codec is None:
-        for bom, name in _BOMS:
-            if data.startswith(bom):
-                return data[len(bom):].decode(name, "replace")
-        m = _META_CHARSET.search(data[:4096])
-        codec = _codec(m.group(1)) if m else None
-        if codec in {"utf-16-le", "utf-16-be", "utf-16", "utf-32"}:  # a meta tag we could read is not UTF-16
-            codec = "utf-8"
-    try:
-        return data.decode(codec or "utf-8", "replace")
-    except (LookupError, ValueError):  # pragma: no cover - _codec already vetted it
-        return data.decode("utf-8", "replace")
+    return charsets.decode_html(html, encoding)
 
 
-def html_to_markdown(html: bytes | str, base_url: str | None = None, *, encoding: str | None = None) -> Converted:
-    """The page's main content as markdown, its title, and whether it looks like a JavaScript app shell."""
+def html_to_markdown(html: bytes | str, base_url: str | None = None, *, encoding: str | None = None,
+                     max_chars: int | None = None) -> Converted:
+    """The page's main content as markdown, its title, and whether it looks like a JavaScript app shell.
+
+    The markdown is at most twice the input's length and at most `max_chars`
+    (`cut` says when it reached that bound)."""
     text = decode_html(html, encoding)
-    return _extract.convert(text, base_url)
+    bound = 2 * max(len(html), 1)
+    if max_chars is not None:
+        bound = min(bound, max(max_chars, 0))
+    return _extract.convert(text, base_url, max_chars=bound)
+
+
+def page_text(html: bytes | str, *, encoding: str | None = None) -> Visible:
+    """The title, the whole visible text (no longer than the input), and how much hidden text was dropped."""
+    title, text, hidden_chars = _extract.visible(decode_html(html, encoding))
+    return Visible(title, text, hidden_chars)
 
 
 def visible_text(html: bytes | str, *, encoding: str | None = None) -> tuple[str | None, str]:
     """(title or None, the whole visible text with whitespace collapsed to single spaces)."""
-    text = decode_html(html, encoding)
-    return _extract.visible(text)
+    v = page_text(html, encoding=encoding)
+    return v.title, v.text

@@ -91,15 +91,21 @@ def fetch(url: str, offset: int = 0, max_chars: int = DEFAULT_MAX_CHARS, *, clie
         if fetched.mime in HTML_TYPES:
             from sluice.webtools.convert import html_to_markdown
 
-            converted = html_to_markdown(fetched.body, fetched.final_url, encoding=fetched.charset)
+            converted = html_to_markdown(fetched.body, fetched.final_url, encoding=fetched.charset,
+                                         max_chars=client.limits.text_bytes)
             title, content, needs_js = converted.title, converted.markdown, converted.needs_javascript
+            hidden_chars, cut = converted.hidden_chars, converted.cut
         else:
             title, content, needs_js = None, decode_text(fetched.body, fetched.charset), False
+            hidden_chars, cut = 0, False
         source = {
             "url": fetched.url, "final_url": fetched.final_url, "status": fetched.status,
             "content_type": fetched.content_type, "title": title, "needs_javascript": needs_js,
             "truncated": fetched.truncated, "captured_at": now_rfc3339(), "content": content,
+            "hidden_chars": hidden_chars, "markdown_truncated": cut,
         }
+        if fetched.truncated:
+            source["read_cap"] = client.limits.text_bytes  # the notice names the cap that cut it
         source.update(header_values(source))
         store = store or default_store()
         # put() may cut content to the per-source cap (and mark it): the
@@ -157,9 +163,13 @@ def page_result(source: dict, offset: int, max_chars: int) -> dict:
         "next_offset": w["next_offset"],
         "truncated": source["truncated"],
         "store_truncated": source.get("store_truncated", False),
+        "markdown_truncated": source.get("markdown_truncated", False),
         "needs_javascript": source["needs_javascript"],
+        "hidden_chars": source.get("hidden_chars", 0),
         "content": w["content"],
     }
+    if source.get("read_cap"):
+        result["read_cap"] = source["read_cap"]
     result["text"] = page_text(result)
     return result
 
@@ -177,7 +187,15 @@ def page_text(r: dict) -> str:
         lines.append("[truncated: the converted page was longer than the source store keeps for one source; "
                      "only its start was kept]")
     elif r["truncated"]:
-        lines.append("[truncated: the page was longer than the read cap (2 MiB by default); only its start was read]")
+        cap = r.get("read_cap")
+        size = f"{cap:,} bytes" if cap else "SLUICE_WEB_TEXT_BYTES when it was fetched, 2 MiB by default"
+        lines.append(f"[truncated: the page was longer than the read cap ({size}); only its start was read]")
+    elif r.get("markdown_truncated"):
+        lines.append("[truncated: the page's markdown reached its bound (twice the page's size, and the read cap); "
+                     "only its start was kept]")
+    if r.get("hidden_chars"):
+        lines.append(f"[{r['hidden_chars']:,} characters of text a reader cannot see (hidden by the page's markup "
+                     "or its own styles) were left out]")
     if r["needs_javascript"]:
         lines.append("[this page needs JavaScript: it is an app shell with almost no text, and no scripts run here; "
                      "look for another source]")

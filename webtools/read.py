@@ -1,7 +1,11 @@
 """read(url): one HTML page's whole visible text, with a hash of exactly it.
 
 Scripts, styles, templates and markup are removed and whitespace collapsed to
-single spaces (webtools.convert.visible_text); `title` is separate (null when
+single spaces (webtools.convert.page_text); text a reader cannot see (the
+`hidden` attribute, aria-hidden, and display:none, visibility:hidden,
+opacity:0, font-size:0 or off-screen positioning in `style` attributes or the
+page's own `<style>` elements; external stylesheets are not fetched) is left
+out, and `hidden_chars` says how many characters that was; `title` is separate (null when
 none) and not part of `text`; `sha256` is over `text` as UTF-8, so it changes
 only when the words do. HTML and XHTML only. Refuse, don't truncate: a page
 whose text is over the result cap (100,000 characters) is
@@ -34,9 +38,10 @@ def read(url: str, *, client: WebClient | None = None, max_text_chars: int = MAX
 
         with call_client(client) as client:
             fetched = client.get(url, classify=classify)
-        from sluice.webtools.convert import visible_text
+        from sluice.webtools.convert import page_text
 
-        title, text = visible_text(fetched.body, encoding=fetched.charset)
+        visible = page_text(fetched.body, encoding=fetched.charset)
+        title, text = visible.title, visible.text
         digest = hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
         if len(text) > max_text_chars:
             raise WebError("web_page_too_large", f"the visible text of {fetched.final_url} is {len(text):,} characters, "
@@ -51,6 +56,7 @@ def read(url: str, *, client: WebClient | None = None, max_text_chars: int = MAX
             "text": text,
             "chars": len(text),
             "sha256": digest,
+            "hidden_chars": visible.hidden_chars,
         }
     except WebError as e:
         return e.as_dict()

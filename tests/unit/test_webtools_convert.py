@@ -189,7 +189,7 @@ def test_latin1_label_means_windows_1252():
 def test_utf8_default_with_replacement_and_bom():
     assert visible_text(b"<p>caf\xc3\xa9 \xff ok</p>")[1] == "café \ufffd ok"
     assert visible_text(b"\xef\xbb\xbf<p>bom</p>")[1] == "bom"
-    assert visible_text("<p>x</p>".encode("utf-16-le"), encoding="utf-16-le")[1] == "x"
+    assert visible_text("<p>x</p>".encode("utf-16-le"), encoding="utf-16le")[1] == "x"  # the WHATWG label
     assert decode_html(b"<p>a</p>", "no-such-codec") == "<p>a</p>"
     assert decode_html(b"<p>a</p>", "base64") == "<p>a</p>"  # not a text encoding: ignored
 
