@@ -19,14 +19,33 @@ and refused here when a limit says so. Every mode is covered:
   (`client_connected`): over it the connection is closed before a byte is
   read, with an audit line.
 
+- a WebSocket upgrade (`Upgrade: websocket`) on a plain HTTP connection
+  takes a tunnel slot of its own (`max_tunnels`) before it goes upstream,
+  held while its pipe is open; over the limit it gets the 429 and no 101.
+  One inside an intercepted tunnel uses that tunnel's slot.
+
 A refused request's own audit line names the limit (its verdict becomes the
 refusal, so every addon after this one sees a refused request); a SOCKS5 or
 transparent refusal and a connection closed at accept get a `connect` or
-`connection` line written here. Transfer (`bytes_per_hour`) counts the
-bodies of HTTP exchanges when they end and every byte of a tunnel at its
-server socket as it passes; a tunnel whose client runs out is closed
-(`quota_exceeded` on its tunnel line). In report mode (`action: report`) a
-limit that would refuse is recorded as `would_refuse` and nothing is refused.
+`connection` line written here.
+
+Transfer (`bytes_per_hour`) is charged as bytes pass, never afterwards:
+every body chunk of an HTTP exchange as it streams (the caps' body counter
+calls the exchange's `TransferCharge`; a request body mitmproxy buffered
+whole is charged before it goes upstream), every chunk of a WebSocket pipe
+(addons/upgrades.py), and every byte of a raw tunnel at its server socket.
+An intercepted tunnel is charged once, through its exchanges' bodies and
+pipes, not also at its socket. When the quota runs out mid-way the exchange,
+pipe or tunnel is cut there (`quota_exceeded` on its audit line), however
+many are in flight at once: the overrun is at most the bytes of chunks
+already passed, never streams x `max_response_bytes`. In report mode
+(`action: report`) a limit that would refuse is recorded as `would_refuse`
+and nothing is refused or cut (transfer is still counted).
+
+Clients known by their address are counted by its `source_group` (an IPv6
+address by its /64, `limits.ipv6_client_prefix`), fixed when the
+connection is accepted; a per-host rate counts the host as the gate
+canonicalised it (`Example.com.` and `example.com` are one host).
 
 The counters are per process (policy.quotas.Counters; `MemoryCounters`
 here): with `--workers N` or several replicas each process enforces its own
@@ -54,10 +73,31 @@ from sluice.addons.refusals import noted, refusal_response
 from sluice.addons.verdict import Verdict, verdict_of
 from sluice.policy import quotas
 from sluice.policy.model import Limits
-from sluice.policy.quotas import Counters, MemoryCounters
+from sluice.policy.quotas import Counters, MemoryCounters, source_group
 from sluice.policy.reasons import Reason, Refusal
 
-COUNTED = "sluice_quota_counted"  # flow.metadata: its bytes were counted
+
+
+class TransferCharge:
+    """One exchange's (or pipe's) bytes against its client's bytes_per_hour,
+    charged chunk by chunk by whatever carries them: `charge(n)` says how
+    many of `n` bytes may pass; fewer means the quota ran out, and the
+    carrier cuts with `refusal()`. Not enforced (report mode): every byte is
+    counted and passes."""
+
+    __slots__ = ("counters", "key", "limits", "clock", "enforce")
+
+    def __init__(self, counters: Counters, key: tuple, limits: Limits, clock: Callable[[], float], enforce: bool) -> None:
+        self.counters, self.key, self.limits, self.clock, self.enforce = counters, key, limits, clock, enforce
+
+    def __call__(self, n: int) -> int:
+        limit = self.limits.bytes_per_hour if self.enforce else None
+        granted = self.counters.spend(quotas.bytes_key(self.key), n, limit, quotas.HOUR, self.clock())
+        return granted if self.enforce else n
+
+    def refusal(self) -> Refusal:
+        _, resets_in = self.counters.window(quotas.bytes_key(self.key), quotas.HOUR, self.clock())
+        return quotas.transfer_refusal(self.limits, resets_in, cut=True)
 
 
 @dataclass(slots=True)
@@ -68,7 +108,7 @@ class _Conn:
     total: bool = False  # counted in max_total_connections
     admitted: bool = False  # counted in its source's max_connections
     tunnels: list[tuple] = field(default_factory=list)  # tunnel keys held
-    connects: dict[str, tuple] = field(default_factory=dict)  # CONNECT flow id -> the tunnel key it took
+    connects: dict[str, tuple] = field(default_factory=dict)  # CONNECT (or WebSocket upgrade) flow id -> the tunnel key it took
     servers: list[str] = field(default_factory=list)  # server ids waiting to be metered
 
 
@@ -89,8 +129,8 @@ class Quotas:
     # ---- connections ---------------------------------------------------------
 
     def client_connected(self, client: connection.Client) -> None:
-        state = self._conns[client.id] = _Conn(_source(client))
         live = self.source.current
+        state = self._conns[client.id] = _Conn(_source_group(client, live))
         limit = live.policy.rules.limits.max_total_connections if live is not None else None
         why = quotas.admit_total(self.counters, limit)
         if why is None:
@@ -147,11 +187,18 @@ class Quotas:
         limits = verdict.rules.limits
         inside = self.gate._tunnels.get(flow.server_conn.id) is not None  # its tunnel's connection was counted
         refusal = None if inside else self._admit_connection(flow.client_conn, limits)
+        key = self._client(verdict, flow.client_conn)
         if refusal is None:
-            key = self._client(verdict, flow.client_conn)
-            refusal = quotas.check_request(self.counters, limits, key, verdict.host, self.clock())
+            refusal = quotas.check_request(self.counters, limits, key, _host(verdict), self.clock())
+        if (refusal is None and not inside and verdict.rules.action != "report"
+                and _upgrade_tokens(flow.request.headers.get("upgrade", "")) == {"websocket"}):
+            # Its pipe is a tunnel of its own, counted before the upgrade goes
+            # upstream (so over the limit no 101 is ever sent).
+            refusal = self._admit_tunnel(flow.client_conn, key, limits, flow.id)
         if refusal is not None:
             self._refuse_flow(flow, verdict, refusal)
+        elif limits.bytes_per_hour is not None:
+            verdict.transfer = TransferCharge(self.counters, key, limits, self.clock, verdict.rules.action != "report")
 
     @fail_closed()
     def http_connect(self, flow: http.HTTPFlow) -> None:
@@ -164,7 +211,7 @@ class Quotas:
         key = self._client(verdict, flow.client_conn)
         refusal = self._admit_connection(flow.client_conn, limits)
         if refusal is None:
-            refusal = quotas.check_request(self.counters, limits, key, verdict.host, self.clock())
+            refusal = quotas.check_request(self.counters, limits, key, _host(verdict), self.clock())
         if refusal is None and verdict.rules.action != "report":
             refusal = self._admit_tunnel(flow.client_conn, key, limits, flow.id)
         if refusal is not None:
@@ -175,6 +222,9 @@ class Quotas:
     def http_connect_error(self, flow: http.HTTPFlow) -> None:
         """A CONNECT that failed (or was refused after this addon): its
         tunnel never opened, so it holds no tunnel slot."""
+        self._release_slot(flow)
+
+    def _release_slot(self, flow: http.HTTPFlow) -> None:
         state = self._conns.get(flow.client_conn.id)
         tunnel = state.connects.pop(flow.id, None) if state is not None else None
         if tunnel is not None:
@@ -194,26 +244,27 @@ class Quotas:
 
     # ---- HTTP transfer ---------------------------------------------------------
 
+    @fail_closed()
+    def request(self, flow: http.HTTPFlow) -> None:
+        """A request body mitmproxy read whole (it had a Content-Length) is
+        charged before it goes upstream; one that does not fit is refused
+        and never sent. (Streamed bodies were charged chunk by chunk.)"""
+        verdict = verdict_of(flow)
+        charge = verdict.transfer if verdict is not None else None
+        if charge is None or flow.response is not None or flow.request.stream or not verdict.decision.allowed:
+            return
+        n = len(flow.request.raw_content or b"")
+        if n and charge(n) < n:
+            verdict.transfer = None
+            self._refuse_flow(flow, verdict, charge.refusal())
+
     def response(self, flow: http.HTTPFlow) -> None:
-        self._count_exchange(flow)
+        if flow.request.method != "CONNECT" and flow.response.status_code != 101:
+            self._release_slot(flow)  # an upgrade refused (or not answered with a pipe) holds no tunnel
 
     def error(self, flow: http.HTTPFlow) -> None:
-        self._count_exchange(flow)
-
-    def _count_exchange(self, flow: http.HTTPFlow) -> None:
-        """An HTTP exchange's body bytes (both ways) against its client's
-        bytes_per_hour, when it ends. Tunnels are counted at their socket."""
-        verdict = verdict_of(flow)
-        if (verdict is None or verdict.rules is None or verdict.rules.limits.bytes_per_hour is None
-                or not verdict.decision.allowed or flow.request.method == "CONNECT" or flow.metadata.get(COUNTED)):
-            return
-        flow.metadata[COUNTED] = True
-        response = flow.response
-        sent = verdict.bytes_from_client or len(flow.request.raw_content or b"")
-        received = verdict.bytes_from_server or (len(response.raw_content or b"") if response is not None else 0)
-        if sent + received:
-            key = self._client(verdict, flow.client_conn)
-            self.counters.spend(quotas.bytes_key(key), sent + received, None, quotas.HOUR, self.clock())
+        if flow.request.method != "CONNECT" and (flow.response is None or flow.response.status_code != 101):
+            self._release_slot(flow)
 
     # ---- SOCKS5 and transparent: decided at the dial ------------------------------
 
@@ -229,7 +280,7 @@ class Quotas:
         key = self._client(tunnel, data.client)
         refusal = self._admit_connection(data.client, limits)
         if refusal is None:
-            refusal = quotas.check_request(self.counters, limits, key, tunnel.host, self.clock())
+            refusal = quotas.check_request(self.counters, limits, key, _host(tunnel), self.clock())
         if refusal is None and tunnel.rules.action != "report":
             refusal = self._admit_tunnel(data.client, key, limits)
         if refusal is None:
@@ -291,7 +342,24 @@ class Quotas:
 
     def _client(self, verdict: Verdict, client: connection.Client) -> tuple:
         state = self._conns.get(client.id)
-        return quotas.client_key(verdict.profile, verdict.user, state.source if state is not None else _source(client))
+        source = state.source if state is not None else _source_group(client, self.source.current)
+        return quotas.client_key(verdict.profile, verdict.user, source)
+
+
+def _host(verdict: Verdict) -> str:
+    """The host a per-host rate counts: as the gate canonicalised it
+    (lowercase, no trailing dot, IP literals in canonical text)."""
+    host = verdict.decision.host
+    return str(host) if host is not None else verdict.host
+
+
+def _upgrade_tokens(value: str) -> set[str]:
+    return {t.strip().lower() for t in value.split(",") if t.strip()}
+
+
+def _source_group(client: connection.Client, live) -> str | None:
+    prefix = live.policy.rules.limits.ipv6_client_prefix if live is not None else Limits().ipv6_client_prefix
+    return source_group(_source(client), prefix)
 
 
 def _source(client: connection.Client) -> str | None:

@@ -72,10 +72,11 @@ SIZE_LIMITS = {"max_response_bytes", "max_request_bytes", "tunnel_max_bytes", "m
 COUNT_LIMITS = {"max_header_count", "max_connections", "max_total_connections", "max_tunnels", "burst", "h2_max_concurrent_streams",
                 "max_requests_per_host_per_minute", "max_upstreams_per_connection"}
 RATE_LIMITS = {"requests_per_second"}
+PREFIX_LIMITS = {"ipv6_client_prefix"}
 # Limits that apply while a request head is read, before the client (and so
 # its profile) is known: only the top level may set them.
 GLOBAL_LIMITS = ("max_header_bytes", "max_header_count", "header_timeout", "max_total_connections",
-                 "h2_stream_buffer_bytes", "h2_max_concurrent_streams")
+                 "h2_stream_buffer_bytes", "h2_max_concurrent_streams", "ipv6_client_prefix")
 H2_MAX_SETTING = 2**31 - 1  # the largest SETTINGS_MAX_CONCURRENT_STREAMS h2 sends
 OPTIONAL_LIMITS = {"tunnel_max_bytes", "tunnel_max_seconds", "max_connections", "max_total_connections", "max_tunnels",
                    "requests_per_second", "burst", "bytes_per_hour", "max_requests_per_host_per_minute"}
@@ -191,6 +192,13 @@ def parse_count(value: object) -> int:
         raise ValueError(f"{_q(value)} is not a count (write a whole number such as 100)")
     if value <= 0:
         raise ValueError("a count must be greater than zero")
+    return value
+
+
+def parse_prefix(value: object) -> int:
+    """An IPv6 prefix length: a whole number from 1 to 128."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 128:
+        raise ValueError(f"{_q(value)} is not an IPv6 prefix length (write a whole number from 1 to 128, such as 64)")
     return value
 
 
@@ -573,6 +581,8 @@ class _Reader:
                     changes[key] = parse_count(value)
                 elif key in RATE_LIMITS:
                     changes[key] = parse_rate(value)
+                elif key in PREFIX_LIMITS:
+                    changes[key] = parse_prefix(value)
                 else:
                     changes[key] = parse_duration(value)
             except ValueError as e:
@@ -789,7 +799,7 @@ class _Reader:
         for key_node, _ in node.value:
             key = self.scalar(key_node)
             if key in GLOBAL_LIMITS:
-                when = ("it counts every connection as it is accepted" if key == "max_total_connections" else
+                when = ("it counts every connection as it is accepted" if key in ("max_total_connections", "ipv6_client_prefix") else
                         "it applies to the HTTP/2 connection before its requests are read" if key.startswith("h2_") else
                         "it applies while the request head is read")
                 self.problem(key_node, f"limits.{key} is global: set it in the top-level `limits`, not in client profile "

@@ -53,7 +53,9 @@ class Limits:
     # Quotas (policy.quotas, addons/quotas.py); None = no limit. Counted per
     # source address (max_connections), per process (max_total_connections,
     # top level only), else per client: its proxy user once known, else its
-    # source address.
+    # source address. An IPv6 source is counted by its network of this many
+    # bits (a host usually holds a whole /64); global, like login throttling.
+    ipv6_client_prefix: int = 64
     max_connections: int | None = None
     max_total_connections: int | None = None
     max_tunnels: int | None = None

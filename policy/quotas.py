@@ -13,6 +13,11 @@ Who is counted:
   proxy user once a request names one (Proxy-Authorization, a SOCKS5 login),
   else the source address (`client_key`).
 
+A source address is counted as its `source_group`: an IPv4 address itself,
+an IPv6 address by its network of `limits.ipv6_client_prefix` bits (default
+/64, which one host usually holds whole: per-address counting would let it
+rotate addresses past every limit). Login throttling counts the same way.
+
 The counters sit behind the `Counters` protocol, so a store shared by
 processes or replicas could replace `MemoryCounters` without touching the
 addon or the gate. `MemoryCounters` keeps memory bounded: a key is dropped
@@ -24,6 +29,7 @@ lets a client through, never refuses one).
 
 from __future__ import annotations
 
+import ipaddress
 import math
 from collections.abc import Hashable
 from dataclasses import dataclass
@@ -158,15 +164,27 @@ class MemoryCounters:
 # ---- who is counted --------------------------------------------------------
 
 
+def source_group(source: str | None, ipv6_prefix: int = 64) -> str | None:
+    """What a source address is counted as: an IPv4 address itself, an IPv6
+    address its network of `ipv6_prefix` bits (`2001:db8:1:2::/64`)."""
+    if source is None or ":" not in source:
+        return source
+    try:
+        return str(ipaddress.IPv6Network(f"{source.split('%', 1)[0]}/{ipv6_prefix}", strict=False))
+    except ValueError:
+        return source
+
+
 def client_key(profile: str | None, user: str | None, source: str | None) -> tuple:
     """The client a request is counted against: its proxy user once known
-    (with the profile it matched), else its source address."""
+    (with the profile it matched), else its source (`source_group`)."""
     if user:
         return ("user", profile, user)
     return ("addr", source)
 
 
 def connection_key(source: str | None) -> tuple:
+    """`source`: the connection's `source_group`."""
     return ("conn", source)
 
 
