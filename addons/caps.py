@@ -166,7 +166,21 @@ class Caps:
         if verdict is None or verdict.cap is not None:
             return
         verdict.cap = refusal
-        refusal = noted(flow, refusal)
+        self._close_cut(flow)
+
+    def cut_soon(self, flow: http.HTTPFlow, refusal: Refusal) -> None:
+        """From inside mitmproxy's event processing (a body chunk): the
+        exchange is marked cut now, so its audit line names the cut even if
+        mitmproxy ends the exchange first; its sockets close just after."""
+        verdict = verdict_of(flow)
+        if verdict is None or verdict.cap is not None:
+            return
+        verdict.cap = refusal
+        asyncio.get_running_loop().call_soon(self._close_cut, flow)
+
+    def _close_cut(self, flow: http.HTTPFlow) -> None:
+        verdict = verdict_of(flow)
+        refusal = noted(flow, verdict.cap)
         if not verdict.response_started and not (flow.request.is_http2 or flow.request.is_http3):
             connections.write_to_client(flow.client_conn, refusal_bytes(refusal))
         connections.close_client(flow.client_conn)
@@ -219,8 +233,9 @@ class Caps:
 
 class _BodyCounter:
     """A mitmproxy stream callable: counts a body's bytes on the wire, passes
-    them through, and cuts the exchange once the cap is passed (the client
-    then sees a body that ends without its terminator: plainly incomplete)."""
+    them through, and cuts the exchange once the cap is passed or its
+    client's transfer quota (`verdict.transfer`) runs out (the client then
+    sees a body that ends without its terminator: plainly incomplete)."""
 
     __slots__ = ("caps", "flow", "cap", "request", "seen", "tripped")
 
@@ -248,13 +263,26 @@ class _BodyCounter:
             verdict.bytes_from_client = self.seen
         else:
             verdict.bytes_from_server = self.seen
-        if self.seen <= self.cap:
+        allowed = len(chunk) - max(0, self.seen - self.cap)
+        refusal = None
+        if allowed < len(chunk):
+            reason = Reason.REQUEST_TOO_LARGE if self.request else Reason.RESPONSE_TOO_LARGE
+            what = "request" if self.request else "response"
+            refusal = Refusal(reason, f"the {what} body passed this policy's {size_text(self.cap)} cap")
+        charge = verdict.transfer
+        if charge is not None and allowed > 0:
+            # The client's transfer quota, charged as the bytes pass: when it
+            # runs out, this exchange (and every other one in flight) stops here.
+            granted = charge(allowed)
+            if granted < allowed:
+                allowed, refusal = granted, charge.refusal()
+        if refusal is None:
             return chunk
         self.tripped = True
-        reason = Reason.REQUEST_TOO_LARGE if self.request else Reason.RESPONSE_TOO_LARGE
-        what = "request" if self.request else "response"
-        refusal = Refusal(reason, f"the {what} body passed this policy's {size_text(self.cap)} cap")
-        # Sockets are closed from outside mitmproxy's event processing.
-        asyncio.get_running_loop().call_soon(self.caps.cut, self.flow, refusal)
-        head = chunk[: len(chunk) - (self.seen - self.cap)]
+        if self.request:
+            verdict.bytes_from_client -= len(chunk) - allowed  # what passed
+        else:
+            verdict.bytes_from_server -= len(chunk) - allowed
+        self.caps.cut_soon(self.flow, refusal)
+        head = chunk[:allowed]
         return head if head else []

@@ -38,7 +38,6 @@ import asyncio
 import base64
 import binascii
 import hashlib
-import ipaddress
 import math
 import os
 import time
@@ -64,6 +63,7 @@ from sluice.policy.clients import (
     verify_password,
 )
 from sluice.policy.model import Policy
+from sluice.policy.quotas import source_group
 
 PROXY_AUTHORIZATION = "Proxy-Authorization"
 
@@ -102,16 +102,12 @@ def parse_basic(header: str | None) -> tuple[str, str] | None:
     return (user, password) if sep else None
 
 
-def _throttle_key(source: str | None) -> str | None:
+def _throttle_key(source: str | None, ipv6_prefix: int = 64) -> str | None:
     """What wrong passwords are counted against: the address, or for IPv6 its
-    /64, which one host usually holds whole (per-address counting would let it
-    rotate addresses)."""
-    if source is None or ":" not in source:
-        return source
-    try:
-        return str(ipaddress.IPv6Network(f"{source.split('%', 1)[0]}/64", strict=False))
-    except ValueError:
-        return source
+    network (`limits.ipv6_client_prefix`, /64 by default), which one host
+    usually holds whole (per-address counting would let it rotate addresses).
+    The quotas count sources the same way."""
+    return source_group(source, ipv6_prefix)
 
 
 def _source(client: connection.Client) -> str | None:
@@ -243,7 +239,7 @@ class ClientIdentifier:
         self._socks_logins.pop(client.id, None)
 
     async def _check(self, policy: Policy, source: str | None, check: PasswordCheck, password: str) -> ClientMatch:
-        source = _throttle_key(source)
+        source = _throttle_key(source, policy.rules.limits.ipv6_client_prefix)
         key = self._cache_key(check.verifier, password) if check.verifier is not None else None
         if key is not None:
             if key in self._successes:

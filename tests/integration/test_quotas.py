@@ -188,9 +188,27 @@ def test_per_host_limits_apply_per_host(proxy):
     assert _get(proxy, "127.0.0.1", "http://8.8.8.8/h/4").status == 200  # another client
 
 
+def test_per_host_limits_count_the_host_as_the_gate_canonicalised_it(proxy):
+    """`public.example.`, `PUBLIC.example` and `public.example` are one host
+    (the gate's canonical name), so one bucket: a trailing dot or another
+    spelling is not a second per-host allowance."""
+    spellings = ["public.example", "public.example.", "PUBLIC.Example."]
+    answers = [_get(proxy, HOSTS, f"http://{host}/canonical/{i}") for i, host in enumerate(spellings)]
+    assert [r.status for r in answers[:2]] == [200, 200], answers
+    assert (answers[2].status, answers[2].sluice_reason) == (429, "host_rate_limited"), answers[2]
+    assert "2 requests a minute to public.example;" in answers[2].text
+
+
 def test_bytes_per_hour_counts_http_and_refuses_new_requests(proxy):
-    assert _get(proxy, BYTES_B, "http://8.8.8.8/bytes/15000").status == 200
-    assert _get(proxy, BYTES_B, "http://8.8.8.8/bytes/10000").status == 200  # 15,000 < 20 KiB: still allowed
+    mark = proxy.audit_mark()
+    first = _get(proxy, BYTES_B, "http://8.8.8.8/bytes/15000")
+    assert first.status == 200 and len(first.body) == 15000
+    # 15,000 < 20 KiB: still admitted, but charged as it streams and cut
+    # where the quota runs out (not completed past it).
+    crossing = _get(proxy, BYTES_B, "http://8.8.8.8/bytes/10000")
+    assert crossing.status == 200 and len(crossing.body) == QUOTA - 15000, len(crossing.body)
+    line = proxy.wait_audit(lambda e: e.get("reason") == "quota_exceeded", since=mark)
+    assert (line["event"], line["status"]) == ("request", 200) and "used up its hourly transfer quota" in line["detail"]
     over = _get(proxy, BYTES_B, "http://8.8.8.8/bytes/10")
     assert over.status == 429 and over.sluice_reason == "quota_exceeded", over
     assert 3500 <= _retry_after(over) <= 3600
