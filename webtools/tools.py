@@ -91,7 +91,8 @@ TOOLS: dict[str, Tool] = {
         "(JPEG, PNG, GIF, WebP up to 5 MiB) and PDFs (up to 10 MiB) come back whole. " + _ENVELOPE + " " + _COMMON +
         " Errors: web_status_not_ok (status outside 2xx), web_unsupported_type (a type fetch cannot read), "
         "web_too_large (over the cap for its kind; never truncated), web_offset_past_end (use an offset below "
-        "total_chars), web_bad_offset, web_timeout.",
+        "total_chars), web_bad_offset, web_timeout (the whole call is bounded, 20 s by default), web_type_mismatch "
+        "(an image or PDF whose bytes are something else: not passed on).",
         (_URL, _OFFSET, _MAX),
     ),
     "source_read": Tool(
