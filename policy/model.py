@@ -58,6 +58,9 @@ class Limits:
     ipv6_client_prefix: int = 64
     max_connections: int | None = None
     max_total_connections: int | None = None
+    # Upstream connections one client connection may hold open; over it the
+    # least recently used idle one is closed (addons/upstreams.py).
+    max_upstreams_per_connection: int = 16
     max_tunnels: int | None = None
     requests_per_second: float | None = None
     burst: int | None = None  # None: requests_per_second rounded up (at least 1)
@@ -67,9 +70,6 @@ class Limits:
     @property
     def rate_burst(self) -> int:
         """The token bucket's size: `burst`, else one second's worth of requests."""
-    # Upstream connections one client connection may hold open; over it the
-    # least recently used idle one is closed (addons/upstreams.py).
-    max_upstreams_per_connection: int = 16
         if self.burst is not None:
             return self.burst
         return max(1, math.ceil(self.requests_per_second or 1))
