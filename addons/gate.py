@@ -28,16 +28,19 @@
   address (else `pin_mismatch`, closed before a byte passes).
 - A reload re-decides every open tunnel against the new policy and closes
   those it refuses (`tunnel_revoked`).
+- A destination at one of the proxy's own host's addresses, on any port, is
+  `proxy_loop` (addons/own_host.py says which addresses), decided with the
+  rest so the client gets the 403 and the audit line says refuse; the dial
+  check refuses it again if the address became the host's since.
 """
 
 from __future__ import annotations
 
 import functools
 import ipaddress
-import socket
 import logging
 
-from mitmproxy import connection, ctx, http
+from mitmproxy import connection, http
 from mitmproxy.net import tls as mitm_tls
 from mitmproxy.net.http import url as mitm_url
 from mitmproxy.proxy import commands, events, layer, layers, mode_specs
@@ -50,6 +53,7 @@ from sluice.addons.audit import AuditLog, peer, quote_client
 from sluice.addons.failsafe import fail_closed
 from sluice.addons.caps import Caps
 from sluice.addons.identity import PROXY_AUTHORIZATION, ClientIdentifier, parse_basic
+from sluice.addons.own_host import OWN_HOST
 from sluice.addons.policy_source import LivePolicy, PolicySource
 from sluice.addons.refusals import refusal_response
 from sluice.addons.resolver import decide
@@ -147,7 +151,7 @@ class EgressGate:
         if client.refusal is not None:
             decision = Decision(False, None, client.refusal, port=request.port)
         else:
-            decision = await decide(client.rules, dest, live.resolver)
+            decision = _not_own_host(client.rules, live.policy, await decide(client.rules, dest, live.resolver))
         verdict = Verdict(request.host, request.port, decision, client.profile,
                           client.rules if client.refusal is None else None, intercept=intercept, method=dest.method)
         flow.metadata[META] = verdict
@@ -254,7 +258,7 @@ class EgressGate:
             self._refuse_dial(data, host, port, Decision(False, None, client.refusal, port=port), None)
             return
         # SOCKS5, transparent, or anything else that reached a dial.
-        decision = await decide(client.rules, Destination(host=host, port=port), live.resolver)
+        decision = _not_own_host(client.rules, live.policy, await decide(client.rules, Destination(host=host, port=port), live.resolver))
         if not decision.allowed:
             self._refuse_dial(data, host, port, decision, client.profile)
             return
@@ -401,13 +405,18 @@ class EgressGate:
         """Checked by addons/mitm_patches.py (dial_check) right before mitmproxy's TCP
         connect (after it waited for a connection slot): only an IP address
         approved for this client connection, never a name."""
-        if _canonical_ip(host) is not None and self._approved_rules(client, host, port) is not None:
-            if not _dials_this_proxy(host, port):
+        rules = self._approved_rules(client, host, port) if _canonical_ip(host) is not None else None
+        if rules is not None:
+            # The gate refused the proxy's own host when it decided; this
+            # catches an address that became the host's since.
+            live = self.source.current if self.source is not None else None
+            loop = OWN_HOST.refusal(rules, live.policy.proxy_addresses if live is not None else frozenset(),
+                                    (_canonical_ip(host),), port)
+            if loop is None:
                 return True
             self.audit.write(
                 event="connect", client=peer(client), host=str(host), port=port, decision="refuse",
-                reason=Reason.PROXY_LOOP.value,
-                detail=f"{_short(str(host))}:{port} is one of this host's own addresses and a port this proxy listens on; refused before connecting",
+                reason=Reason.PROXY_LOOP.value, detail=f"{loop.detail}; refused before connecting",
             )
             return False
         self.audit.write(
@@ -520,32 +529,16 @@ def _strip_headers(request: http.Request, extra: frozenset[str]) -> None:
         request.headers.pop(name, None)
 
 
-def _dials_this_proxy(ip: str, port: int) -> bool:
-    """A dial back to one of this proxy's listeners through any of the host's
-    own addresses: mitmproxy itself only recognises the exact listen address
-    and loopback, which a wildcard listener (0.0.0.0, ::) does not cover."""
-    master = getattr(ctx, "master", None)
-    proxyserver = master.addons.get("proxyserver") if master is not None else None
-    if proxyserver is None:
-        return False
-    for instance in proxyserver.servers:
-        for listen_host, listen_port, *_ in instance.listen_addrs:
-            if listen_port == port and (listen_host in ("0.0.0.0", "::", "") or _canonical_ip(listen_host) == _canonical_ip(ip)):
-                return _is_local_address(ip)
-    return False
-
-
-@functools.lru_cache(maxsize=1024)
-def _is_local_address(ip: str) -> bool:
-    """Whether an address belongs to this host: only a local address can be
-    bound (no packet is sent)."""
-    family = socket.AF_INET6 if ":" in ip else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as probe:
-        try:
-            probe.bind((ip, 0))
-        except OSError:
-            return False
-    return True
+def _not_own_host(rules: Rules, policy: Policy, decision: Decision) -> Decision:
+    """An allowed destination at one of the proxy's own host's addresses
+    (addons/own_host.py) is refused `proxy_loop` instead, before any dial."""
+    if not decision.allowed or decision.address is None:
+        return decision
+    refusal = OWN_HOST.refusal(rules, policy.proxy_addresses, decision.addresses or (decision.address,), decision.port)
+    if refusal is None:
+        return decision
+    return Decision(False, decision.host, refusal.with_note(rules.refusal_note), addresses=decision.addresses,
+                    port=decision.port)
 
 
 @functools.lru_cache(maxsize=4096)

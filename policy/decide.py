@@ -11,6 +11,8 @@ between with whatever resolver they have.
 
 from __future__ import annotations
 
+import functools
+import ipaddress
 from dataclasses import dataclass
 
 import netaddr
@@ -206,6 +208,41 @@ def check_address(rules: Rules, address: str, port: int) -> Refusal | None:
         return Refusal(Reason.MALFORMED_HOST, f"{address} is not an IP address")
     decision = _check_addresses(rules, host, port, (host.address,), None, None, literal=True)
     return decision.refusal
+
+
+@functools.lru_cache(maxsize=4096)
+def canonical_ip(text: str) -> str:
+    """An IP address in one spelling (IPv4-mapped IPv6 as IPv4, no zone);
+    ValueError if it is not one."""
+    ip = ipaddress.ip_address(text.split("%", 1)[0])
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        return str(ip.ipv4_mapped)
+    return str(ip)
+
+
+def check_own_address(rules: Rules, addresses: tuple[str, ...] | list[str], port: int,
+                      own: frozenset[str] | set[str]) -> Refusal | None:
+    """`proxy_loop` if any address a destination would be dialled at is one of
+    this host's own (`own`: canonical IPs: the addresses the proxy can be
+    reached at, and the policy's `proxy_addresses`), on any port: the proxy,
+    its admin endpoint and every other service of the host are not
+    destinations. Only a `private_networks` entry naming that address with
+    this very port opens it."""
+    if not own:
+        return None
+    for address in addresses:
+        try:
+            ip = canonical_ip(address)
+        except ValueError:
+            continue
+        if ip not in own:
+            continue
+        opened = _opened(rules, ip, port)
+        if opened is not None and opened.port == port:
+            continue
+        return Refusal(Reason.PROXY_LOOP, f"{ip}:{port} is an address of the proxy's own host, not a destination "
+                                          f"(the proxy, its admin endpoint and the host's other services are never reachable through it)")
+    return None
 
 
 def intercepts(rules: Rules, host_text: str) -> bool:

@@ -23,6 +23,7 @@ import yaml
 
 from sluice.policy import credentials as creds
 from sluice.policy.clients import secret_verifier
+from sluice.policy.decide import canonical_ip
 from sluice.policy.hosts import INTERNAL_SUFFIXES, internal_name
 from sluice.policy.matchers import AddressSet, HostMatcher, PatternError, parse_cidr, parse_host_pattern
 from sluice.policy.ranges import IPV4_NON_PUBLIC, IPV6_NON_PUBLIC, NonPublicRange
@@ -60,7 +61,7 @@ class PolicyInvalid(Exception):
 # Keys a profile may override, and the top level may set.
 RULE_KEYS = ("action", "allow", "deny", "ports", "methods", "private_networks", "limits", "intercept", "strip_request_headers",
              "refusal_note", "credentials")
-TOP_KEYS = ("version",) + RULE_KEYS + ("dns", "clients", "require_client")
+TOP_KEYS = ("version",) + RULE_KEYS + ("dns", "clients", "require_client", "proxy_addresses")
 PROFILE_KEYS = ("name", "users", "sources") + RULE_KEYS
 DNS_KEYS = tuple(f.name for f in fields(DnsSettings))
 LIMIT_KEYS = tuple(f.name for f in fields(Limits))
@@ -373,6 +374,22 @@ class _Reader:
             except PatternError as e:
                 self.problem(item, f"{what}: {_scrub(e, value, cidr)}")
         return AddressSet(tuple(entries))
+
+    def proxy_addresses(self, node: yaml.Node) -> frozenset[str]:
+        """`proxy_addresses`: IP addresses (no CIDRs, no ports) that reach
+        this host without being on its interfaces (NAT)."""
+        out = set()
+        for item in self.sequence(node, "proxy_addresses"):
+            value = self.scalar(item)
+            try:
+                if not isinstance(value, str):
+                    raise ValueError
+                out.add(canonical_ip(value))
+            except ValueError:
+                shown = "this entry" if value is _NOT_SCALAR else _q(value)
+                self.problem(item, f"proxy_addresses: {shown} must be an IP address such as '203.0.113.7' or '2001:db8::7' "
+                                   "(one address of this host, no CIDR or port)")
+        return frozenset(out)
 
     def headers(self, node: yaml.Node) -> frozenset[str]:
         out = set()
@@ -1066,9 +1083,11 @@ def _load_policy_text(text: str, file: str, read_secret: Callable[[str], str] | 
             if value and not clients:
                 reader.problem(keys["require_client"][0], "require_client is true but no `clients` are defined: every client would be refused")
     reader.credentials_intercepted(top, clients, require_client)
+    proxy_addresses = reader.proxy_addresses(keys["proxy_addresses"][1]) if "proxy_addresses" in keys else frozenset()
     if reader.problems:
         raise PolicyInvalid(sorted(reader.problems, key=lambda p: (p.line, p.col)))
-    return Policy(version=1, rules=top, dns=dns, clients=clients, require_client=require_client, source=file)
+    return Policy(version=1, rules=top, dns=dns, clients=clients, require_client=require_client, source=file,
+                  proxy_addresses=proxy_addresses)
 
 
 def load_policy_file(path: str | Path) -> Policy:

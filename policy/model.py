@@ -117,3 +117,6 @@ class Policy:
     clients: tuple[ClientProfile, ...] = ()
     require_client: bool = False
     source: str = "<default>"
+    # The host's own addresses it cannot see on its interfaces (a cloud VM's
+    # NAT'd public address), canonical IP text: dials to them are proxy_loop.
+    proxy_addresses: frozenset[str] = frozenset()

@@ -88,7 +88,7 @@ REASONS: dict[Reason, ReasonInfo] = {
     Reason.HEADER_TIMEOUT: ReasonInfo(408, "the request head did not arrive whole within `limits.header_timeout`"),
     Reason.AUTH_THROTTLED: ReasonInfo(407, "too many wrong proxy passwords from this address or for this user, or too many password checks waiting; retry after the `Retry-After` seconds"),
     Reason.TUNNEL_REVOKED: ReasonInfo(403, "an open tunnel was closed because a reloaded policy refuses its destination"),
-    Reason.PROXY_LOOP: ReasonInfo(403, "the destination is one of the proxy's own listening addresses"),
+    Reason.PROXY_LOOP: ReasonInfo(403, "the destination is an address of the proxy's own host, on any port: a listener's address, every interface address when the proxy listens on a wildcard, or one of `proxy_addresses`"),
     Reason.RATE_LIMITED: ReasonInfo(429, "the client is over its `limits.requests_per_second` (and `burst`); retry after the `Retry-After` seconds"),
     Reason.HOST_RATE_LIMITED: ReasonInfo(429, "the client is over its `limits.max_requests_per_host_per_minute` for this host; retry after the `Retry-After` seconds (other hosts are not affected)"),
     Reason.QUOTA_EXCEEDED: ReasonInfo(429, "the client has used its `limits.bytes_per_hour`; new requests are refused until the hour's window resets (`Retry-After`), and an open tunnel is closed when the quota runs out"),

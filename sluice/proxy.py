@@ -16,6 +16,7 @@ from mitmproxy.proxy import mode_specs
 
 from sluice.addons import mitm_patches
 from sluice.addons.admin import WORKER_DIR_ENV, AdminServer, Endpoints, admin_problem, parse_admin, same_listener
+from sluice.addons.own_host import OWN_HOST
 from sluice.addons.sluice_addon import make_addons
 from sluice.ca import ca_dir, ensure_ca
 from sluice.cli import EXIT_USAGE, listen_problem
@@ -140,6 +141,7 @@ async def _serve(policy: str, listen: tuple[str, int], modes: list[str], audit_l
         return EXIT_USAGE
     server = None
     if admin is not None:
+        OWN_HOST.add_listener(*admin)  # the admin endpoint is the proxy's host too: never a destination
         try:
             server = AdminServer(*admin, Endpoints(status)).start()
         except OSError as e:

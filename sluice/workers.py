@@ -119,6 +119,7 @@ _CUT = re.compile(r"\((\d+) cut by shutdown\)")
 def supervise(count: int, worker_args: list[str], admin: str = "off", drain_timeout: float = 30.0,
               listen: tuple[str, int] = ("127.0.0.1", 0), modes: list[str] = ()) -> int:
     from sluice.addons.admin import WORKER_DIR_ENV, AdminServer, admin_problem, parse_admin
+    from sluice.addons.own_host import ADMIN_ENV
 
     try:
         admin_address = parse_admin(admin)
@@ -145,7 +146,9 @@ def supervise(count: int, worker_args: list[str], admin: str = "off", drain_time
     try:
         return _supervise(count, worker_args, drain_timeout, directory, children, state, server,
                           {**os.environ, REUSE_PORT_ENV: "1", WORKER_DIR_ENV: directory,
-                           "PROMETHEUS_MULTIPROC_DIR": directory})
+                           "PROMETHEUS_MULTIPROC_DIR": directory,
+                           # Its workers refuse dials to it (addons/own_host.py).
+                           **({ADMIN_ENV: f"{admin_address[0]}:{admin_address[1]}"} if admin_address else {})})
     finally:
         if server is not None:
             server.close()

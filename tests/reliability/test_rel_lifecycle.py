@@ -5,6 +5,13 @@ own host.
 - Drain: a WebSocket pipe is drained like a raw tunnel: it keeps carrying
   bytes for `--drain-timeout`, then is cut with a `shutdown` line (it used
   to be closed at once and logged as allowed).
+- The proxy's own host: with `--listen 0.0.0.0:P --admin 0.0.0.0:A`, every
+  address of the host (here the namespace's 8.8.8.8 and 1.1.1.1, on its
+  `lo`) is `proxy_loop` on every port, as a 403 with its refuse line (the
+  admin's /metrics answered 200 through the proxy before), unless
+  `private_networks` names that address and port; a proxy bound to
+  loopback refuses the operator's `proxy_addresses` and still reaches the
+  other origins.
 
 The origin (tests/harness/vhosts.py) serves a.example on 1.1.1.1 (TLS 8443,
 plain 8081) and echoes WebSocket pipes.
@@ -17,8 +24,9 @@ import socket
 import time
 
 import pytest
+import yaml
 
-from harness import default_policy
+from harness import SluiceProcess, absolute_form, connect, default_policy, free_port
 from harness.vhosts import A, PLAIN_PORT, TLS_PORT, start_vhost_origin
 from relkit import wait_until
 
@@ -41,6 +49,12 @@ def vhost_policy(**overrides) -> dict:
 WS_HEAD = (f"GET http://{A}:{PLAIN_PORT}/ws HTTP/1.1\r\nHost: {A}:{PLAIN_PORT}\r\n"
            "Connection: Upgrade\r\nUpgrade: websocket\r\nSec-WebSocket-Version: 13\r\n"
            "Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n\r\n").encode()
+
+
+def reload(proxy, policy: dict) -> None:
+    """Write the new policy and SIGHUP the proxy (the poller may see it first)."""
+    proxy.policy_file.write_text(yaml.safe_dump(policy, sort_keys=False))
+    proxy.proc.send_signal(signal.SIGHUP)
 
 
 def open_ws_pipe(proxy, timeout: float = 10.0) -> socket.socket:
@@ -104,3 +118,80 @@ def test_a_drain_gives_websocket_pipes_the_drain_timeout_and_a_shutdown_line(slu
     assert line["bytes_out"] == len(b"before") + len(b"during"), line
     err = proxy.stderr_text()
     assert "Traceback" not in err and "(1 cut by shutdown)" in err, err
+
+
+# ---- item 8: the proxy's own host is never a destination -------------------------------
+
+
+class WildcardSluice(SluiceProcess):
+    """`sluice proxy --listen 0.0.0.0:P --admin 0.0.0.0:A`, reached on 127.0.0.1."""
+
+    def __init__(self, *args, port: int, admin_port: int, **kwargs):
+        super().__init__(*args, extra_args=("--admin", f"0.0.0.0:{admin_port}"), **kwargs)
+        self._wildcard_port, self._admin = port, admin_port
+
+    def command(self) -> list[str]:
+        cmd = super().command()
+        cmd[cmd.index("--listen") + 1] = f"0.0.0.0:{self._wildcard_port}"
+        return cmd
+
+    @property
+    def address(self) -> tuple[str, int]:
+        return ("127.0.0.1", self._wildcard_port)
+
+
+def _loop_refused(proxy, response, mark) -> None:
+    assert (response.status, response.sluice_reason) == (403, "proxy_loop"), response
+    assert "sluice_" not in response.text and "Sluice refused this request" in response.text, response.text
+    line = proxy.wait_audit(lambda e: e.get("reason") == "proxy_loop", since=mark, what="the proxy_loop line")
+    assert line["decision"] == "refuse" and line.get("status") in (403, None), line
+
+
+def test_the_hosts_own_addresses_are_proxy_loop_on_every_port(net, fake_dns, sluice_home, tmp_path):
+    port, admin = free_port("0.0.0.0"), free_port("0.0.0.0")
+    while admin == port:
+        admin = free_port("0.0.0.0")
+    policy = default_policy(ports=[80, 443, port, admin], private_networks=["8.8.8.8/32:80"])
+    proxy = WildcardSluice(tmp_path, policy, name="ownhost", home=sluice_home, port=port, admin_port=admin)
+    proxy.port = port
+    proxy.start()
+    try:
+        # The admin endpoint through the host's "public" address: it answered 200 with the metrics.
+        for url in (f"http://8.8.8.8:{admin}/metrics", f"http://8.8.8.8:{port}/loop", "http://1.1.1.1/",
+                    "http://8.8.8.8:443/", f"http://[2606:4700:4700::1111]:{admin}/metrics"):
+            mark = proxy.audit_mark()
+            _loop_refused(proxy, absolute_form(proxy.address, url), mark)
+        # A name resolving to the host's address, and a CONNECT to it.
+        fake_dns.set("points-home.example", a=["1.1.1.1"])
+        mark = proxy.audit_mark()
+        _loop_refused(proxy, absolute_form(proxy.address, "http://points-home.example/"), mark)
+        mark = proxy.audit_mark()
+        response, tunnel = connect(proxy.address, f"8.8.8.8:{admin}")
+        assert tunnel is None and (response.status, response.sluice_reason) == (403, "proxy_loop"), response
+        assert proxy.wait_audit(lambda e: e.get("reason") == "proxy_loop", since=mark)["event"] == "connect"
+        assert net.origin("1.1.1.1", 80).connections == 0 and net.origin("8.8.8.8", 443).connections == 0
+        # private_networks naming the address with this very port opens it (and only it).
+        ok = absolute_form(proxy.address, "http://8.8.8.8/opened")
+        assert ok.status == 200 and net.origin("8.8.8.8", 80).connections >= 1, ok
+        # Nothing the proxy dialled came back to it as a client.
+        assert not [e for e in proxy.audit() if (e.get("client") or "").split(":")[0] in ("8.8.8.8", "1.1.1.1")]
+    finally:
+        proxy.stop()
+
+
+def test_proxy_addresses_are_the_host_and_other_origins_still_work(sluice_factory, net, fake_dns, tmp_path):
+    """Bound to loopback (as the harness is), the host's interface addresses
+    are not the proxy; the operator's `proxy_addresses` (a NAT'd address) are,
+    on every port, and a reload that drops one opens it again."""
+    policy = default_policy(proxy_addresses=["1.1.1.1"])
+    proxy = sluice_factory(policy, name="natted")
+    mark = proxy.audit_mark()
+    _loop_refused(proxy, absolute_form(proxy.address, "http://1.1.1.1/"), mark)
+    mark = proxy.audit_mark()
+    _loop_refused(proxy, absolute_form(proxy.address, "http://1.1.1.1:443/"), mark)
+    assert net.origin("1.1.1.1", 80).connections == 0
+    assert absolute_form(proxy.address, "http://8.8.8.8/other").status == 200
+    mark = proxy.audit_mark()
+    reload(proxy, default_policy())
+    proxy.wait_audit(lambda e: e["event"] == "reload" and e["decision"] == "ok", since=mark, what="the reload")
+    assert absolute_form(proxy.address, "http://1.1.1.1/").status == 200

@@ -176,6 +176,39 @@ def test_a_connect_tunnel_is_re_decided_with_its_method():
 
 
 def test_only_this_hosts_own_addresses_count_as_the_proxy():
-    assert gate._is_local_address("127.0.0.1")
-    assert not gate._is_local_address("192.0.2.1")  # TEST-NET-1: never a local address here
-    assert not gate._dials_this_proxy("127.0.0.1", 8080)  # no proxy running in a unit test
+    from sluice.addons import own_host
+
+    assert own_host._is_local_address("127.0.0.1")
+    assert not own_host._is_local_address("192.0.2.1")  # TEST-NET-1: never a local address here
+    interfaces = own_host.interface_addresses()
+    assert interfaces is not None and "127.0.0.1" in interfaces and "192.0.2.1" not in interfaces
+    # Bound to one address: that address; to a wildcard: every interface address.
+    assert own_host.OwnHost(lambda: [("127.0.0.1", 8080)]).addresses(frozenset()) == {"127.0.0.1"}
+    assert own_host.OwnHost(lambda: [("0.0.0.0", 8080)]).addresses(frozenset()) >= interfaces
+    # The operator's NAT'd addresses, always.
+    assert own_host.OwnHost(lambda: []).addresses(frozenset({"203.0.113.7"})) == {"203.0.113.7"}
+
+
+def test_the_proxys_own_host_is_proxy_loop_on_any_port_unless_private_networks_names_the_port():
+    from sluice.policy.decide import check_own_address
+
+    own = frozenset({"203.0.113.7", "2001:db8::7"})
+    rules = policy("version: 1\nports: [80, 443]\n").rules
+    assert check_own_address(rules, ("203.0.113.7",), 9090, own).reason == "proxy_loop"
+    assert check_own_address(rules, ("93.184.215.14", "203.0.113.7"), 443, own).reason == "proxy_loop"  # one answer is enough
+    assert check_own_address(rules, ("::ffff:203.0.113.7",), 80, own).reason == "proxy_loop"  # one spelling
+    assert check_own_address(rules, ("2001:DB8:0::7",), 80, own).reason == "proxy_loop"
+    assert check_own_address(rules, ("93.184.215.14",), 80, own) is None
+    opened = policy("version: 1\nports: [80, 443]\nprivate_networks: ['203.0.113.7/32:8080', '203.0.113.0/24']\n").rules
+    assert check_own_address(opened, ("203.0.113.7",), 8080, own) is None  # named with this very port
+    assert check_own_address(opened, ("203.0.113.7",), 80, own).reason == "proxy_loop"  # a portless entry is not enough
+
+
+def test_proxy_addresses_are_ip_addresses():
+    from sluice.policy.loader import PolicyInvalid, load_policy_text
+
+    assert load_policy_text("version: 1\nproxy_addresses: ['203.0.113.7', '::ffff:198.51.100.1']\n").proxy_addresses == {
+        "203.0.113.7", "198.51.100.1"}
+    for bad in ("'203.0.113.0/24'", "'host.example'", "5", "'203.0.113.7:80'"):
+        with pytest.raises(PolicyInvalid, match="proxy_addresses"):
+            load_policy_text(f"version: 1\nproxy_addresses: [{bad}]\n")
