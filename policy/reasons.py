@@ -91,9 +91,9 @@ REASONS: dict[Reason, ReasonInfo] = {
     Reason.PROXY_LOOP: ReasonInfo(403, "the destination is an address of the proxy's own host, on any port: a listener's address, every interface address when the proxy listens on a wildcard, or one of `proxy_addresses`"),
     Reason.RATE_LIMITED: ReasonInfo(429, "the client is over its `limits.requests_per_second` (and `burst`); retry after the `Retry-After` seconds"),
     Reason.HOST_RATE_LIMITED: ReasonInfo(429, "the client is over its `limits.max_requests_per_host_per_minute` for this host; retry after the `Retry-After` seconds (other hosts are not affected)"),
-    Reason.QUOTA_EXCEEDED: ReasonInfo(429, "the client has used its `limits.bytes_per_hour`; new requests are refused until the hour's window resets (`Retry-After`), and an open tunnel is closed when the quota runs out"),
+    Reason.QUOTA_EXCEEDED: ReasonInfo(429, "the client has used its `limits.bytes_per_hour`; new requests are refused until the hour's window resets (`Retry-After`), and whatever is in flight (exchanges, HTTP/2 streams, tunnels, WebSocket pipes) is cut when the quota runs out"),
     Reason.TOO_MANY_CONNECTIONS: ReasonInfo(429, "the source address has `limits.max_connections` connections open (the extra connection is refused and closed), or the proxy has `limits.max_total_connections` (closed at accept)"),
-    Reason.TOO_MANY_TUNNELS: ReasonInfo(429, "the client has `limits.max_tunnels` tunnels (CONNECT, SOCKS5, transparent) open"),
+    Reason.TOO_MANY_TUNNELS: ReasonInfo(429, "the client has `limits.max_tunnels` tunnels (CONNECT, SOCKS5, transparent, WebSocket pipes) open"),
     Reason.SHUTDOWN: ReasonInfo(503, "the proxy was shutting down and the exchange or tunnel was still open when `--drain-timeout` ran out; retrying (through another replica) is reasonable"),
     Reason.CREDENTIAL_PLAIN_HTTP: ReasonInfo(403, "the proxy holds a credential for this host and sends it over HTTPS only (no `allow_plain_http`), and the request is plain http"),
 }

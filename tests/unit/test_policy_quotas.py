@@ -203,3 +203,30 @@ def test_loader_refuses_bad_quota_values(text, message):
     with pytest.raises(PolicyInvalid) as e:
         load_policy_text("version: 1\n" + text)
     assert message in str(e.value)
+
+
+# ---- source groups (issue 18 item 6) --------------------------------------------
+
+
+def test_an_ipv6_source_is_counted_by_its_network():
+    source_group = quotas.source_group
+    assert source_group("2001:db8:1:2::5") == source_group("2001:db8:1:2:ffff::9") == "2001:db8:1:2::/64"
+    assert source_group("2001:db8:1:3::5") != source_group("2001:db8:1:2::5")
+    assert source_group("2001:db8:1:2::5", 56) == source_group("2001:db8:1:3::5", 56) == "2001:db8:1::/56"
+    assert source_group("2001:db8:1:2::5", 128) == "2001:db8:1:2::5/128"
+    assert source_group("fe80::1%eth0") == "fe80::/64"
+    assert source_group("10.0.0.5") == "10.0.0.5" and source_group(None) is None
+
+
+def test_ipv6_client_prefix_loads_at_the_top_level_only():
+    policy = load_policy_text("version: 1\nlimits:\n  ipv6_client_prefix: 56\n", "p.yaml")
+    assert policy.rules.limits.ipv6_client_prefix == 56
+    assert load_policy_text("version: 1\n", "p.yaml").rules.limits.ipv6_client_prefix == 64
+    for bad in ("0", "129", "64.5", "'64'", "true"):
+        with pytest.raises(PolicyInvalid) as info:
+            load_policy_text(f"version: 1\nlimits:\n  ipv6_client_prefix: {bad}\n", "p.yaml")
+        assert "not an IPv6 prefix length" in str(info.value.problems[0].message), bad
+    with pytest.raises(PolicyInvalid) as info:
+        load_policy_text("version: 1\nclients:\n  - name: a\n    sources: [10.0.0.0/8]\n"
+                         "    limits:\n      ipv6_client_prefix: 48\n", "p.yaml")
+    assert "limits.ipv6_client_prefix is global" in info.value.problems[0].message
