@@ -25,6 +25,7 @@ pytestmark = pytest.mark.netns
 PASSWORD = "quota-pw"
 RATE, HOSTS, CONNS, BYTES_A, BYTES_B, TUNNELS, SOCKS_RATE, USERS = (
     "127.0.0.2", "127.0.0.3", "127.0.0.4", "127.0.0.5", "127.0.0.6", "127.0.0.7", "127.0.0.8", "127.0.0.9")
+UPLOADS = "127.0.0.10"
 QUOTA = 20 * 1024
 
 
@@ -41,6 +42,7 @@ def proxy(sluice_factory):
         _profile("conns", [CONNS], max_connections=2),
         _profile("transfer", [BYTES_A, BYTES_B], bytes_per_hour="20KiB"),
         _profile("tunnels", [TUNNELS], max_tunnels=1),
+        _profile("uploads", [UPLOADS], bytes_per_hour="20KiB"),
         _profile("socks-rate", [SOCKS_RATE], requests_per_second=0.2, burst=1),
         {"name": "users", "users": {"alice": {"password_hash": verifier}, "bob": {"password_hash": verifier}},
          "limits": {"requests_per_second": 0.2, "burst": 1}},
@@ -215,6 +217,37 @@ def test_bytes_per_hour_counts_http_and_refuses_new_requests(proxy):
     assert "used its hourly transfer quota of 20 KiB; it resets in 60 minutes" in over.text
     response, tunnel = _connect_tunnel(proxy, BYTES_B)
     assert (response.status, response.sluice_reason) == (429, "quota_exceeded")
+
+
+def _post(proxy, path: str, body: bytes, *, chunked: bool = False):
+    framing = "Transfer-Encoding: chunked" if chunked else f"Content-Length: {len(body)}"
+    payload = b"%x\r\n%s\r\n0\r\n\r\n" % (len(body), body) if chunked else body
+    with _connect(proxy, UPLOADS) as s:
+        s.sendall(f"POST http://8.8.8.8{path} HTTP/1.1\r\nHost: 8.8.8.8\r\n{framing}\r\nConnection: close\r\n\r\n".encode())
+        try:
+            s.sendall(payload)
+        except OSError:
+            pass
+        return read_response(_Reader(s))
+
+
+def test_bytes_per_hour_counts_uploads_before_they_go_upstream(proxy, net):
+    """A request body is charged before it leaves: one that does not fit in
+    what is left is refused and never reaches the origin (it used to be
+    sent whole and charged afterwards)."""
+    origin = net.origin("8.8.8.8", 80)
+    mark = proxy.audit_mark()
+    assert _post(proxy, "/upload/1", b"u" * 15000).status == 200
+    refused = _post(proxy, "/upload/2", b"u" * 10000)
+    assert (refused.status, refused.sluice_reason) == (429, "quota_exceeded"), refused
+    assert "used up its hourly transfer quota of 20 KiB" in refused.text
+    assert not any(r.path == "/upload/2" for r in origin.requests)
+    line = proxy.wait_audit(lambda e: e.get("reason") == "quota_exceeded", since=mark)
+    assert (line["event"], line["method"], line["status"]) == ("request", "POST", 429)
+    # Used up: a chunked upload is refused before it starts too.
+    chunked = _post(proxy, "/upload/3", b"u" * 100, chunked=True)
+    assert (chunked.status, chunked.sluice_reason) == (429, "quota_exceeded"), chunked
+    assert not any(r.path == "/upload/3" for r in origin.requests)
 
 
 def test_bytes_per_hour_cuts_an_open_tunnel(proxy):
