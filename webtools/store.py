@@ -46,8 +46,9 @@ ROW_OVERHEAD = 64  # the numeric columns and SQLite's own bookkeeping, roughly
 # before they get here; this keeps the store's own bound whatever the caller).
 FIELD_CAPS = {"url": 8192, "final_url": 8192, "content_type": 256, "title": 1024, "captured_at": 64}
 
-# `truncated` column: bit flags, why the content is not the whole page.
-READ_CAP, STORE_CAP = 1, 2
+# `truncated` column: bit flags, why the content is not the whole page
+# (MARKDOWN_CAP: the markdown reached its bound, webtools.convert).
+READ_CAP, STORE_CAP, MARKDOWN_CAP = 1, 2, 4
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS sources (
@@ -62,6 +63,7 @@ CREATE TABLE IF NOT EXISTS sources (
     title TEXT,
     needs_javascript INTEGER NOT NULL,
     truncated INTEGER NOT NULL,
+    hidden_chars INTEGER NOT NULL DEFAULT 0,
     size INTEGER NOT NULL,
     content TEXT NOT NULL
 );
@@ -69,7 +71,8 @@ CREATE INDEX IF NOT EXISTS sources_created ON sources (created);
 CREATE INDEX IF NOT EXISTS sources_owner_created ON sources (owner, created);
 """
 
-_FIELDS = ("url", "final_url", "status", "content_type", "title", "needs_javascript", "truncated", "captured_at", "content")
+_FIELDS = ("url", "final_url", "status", "content_type", "title", "needs_javascript", "truncated", "captured_at", "content",
+           "hidden_chars")
 
 
 def default_path() -> str:
@@ -94,7 +97,7 @@ def _cut_utf8(value: str, limit: int) -> str:
 
 def row_size(source_id: str, owner: str, source: dict) -> int:
     """What a row takes: every text column in UTF-8 bytes, plus the overhead."""
-    text = [source_id, owner] + [source[f] for f in _FIELDS if isinstance(source[f], str)]
+    text = [source_id, owner] + [source.get(f) for f in _FIELDS if isinstance(source.get(f), str)]
     return ROW_OVERHEAD + sum(_utf8_len(t) for t in text)
 
 
@@ -112,6 +115,9 @@ class SourceStore:
                 Path(self.path).parent.mkdir(parents=True, exist_ok=True, mode=0o700)
             self._db = sqlite3.connect(self.path, check_same_thread=False, timeout=10)
             self._db.executescript(_SCHEMA)
+            columns = {row[1] for row in self._db.execute("PRAGMA table_info(sources)")}
+            if "hidden_chars" not in columns:  # a store made before hidden text was counted
+                self._db.execute("ALTER TABLE sources ADD COLUMN hidden_chars INTEGER NOT NULL DEFAULT 0")
             if self.path != ":memory:":
                 os.chmod(self.path, 0o600)
         except (OSError, sqlite3.Error) as e:
@@ -126,8 +132,8 @@ class SourceStore:
         self._fit(source_id, owner, source)
         size = row_size(source_id, owner, source)
         flags = (READ_CAP if source["truncated"] and not source.get("store_truncated") else 0) | (
-            STORE_CAP if source.get("store_truncated") else 0)
-        values = {**source, "truncated": flags}
+            STORE_CAP if source.get("store_truncated") else 0) | (MARKDOWN_CAP if source.get("markdown_truncated") else 0)
+        values = {"hidden_chars": 0, **source, "truncated": flags}
         now = time.time()
         try:
             with self._lock, self._db:
@@ -169,8 +175,9 @@ class SourceStore:
         source = dict(zip(_FIELDS, row))
         flags = int(source["truncated"])
         source["needs_javascript"] = bool(source["needs_javascript"])
-        source["truncated"] = bool(flags)
+        source["truncated"] = bool(flags & (READ_CAP | STORE_CAP))
         source["store_truncated"] = bool(flags & STORE_CAP)
+        source["markdown_truncated"] = bool(flags & MARKDOWN_CAP)
         source["source_id"] = source_id
         return source
 

@@ -308,3 +308,41 @@ def test_realistic_pages_lose_nothing_to_hiding():
         v = page_text(page.read_bytes())
         assert v.hidden_chars < 0.05 * max(len(v.text), 1), page.name
         assert re.search(r"\w{4,}", v.text)
+
+
+# --- the store keeps what conversion reported --------------------------------------------
+
+
+def _source(**extra) -> dict:
+    return {"url": "https://a.example/", "final_url": "https://a.example/", "status": 200,
+            "content_type": "text/html", "title": "t", "needs_javascript": False, "truncated": False,
+            "captured_at": "2026-01-01T00:00:00Z", "content": "words", **extra}
+
+
+def test_the_store_keeps_hidden_chars_and_the_markdown_cut():
+    from sluice.webtools.store import SourceStore
+
+    store = SourceStore(":memory:")
+    sid = store.put("o", _source(hidden_chars=42, markdown_truncated=True))
+    got = store.get("o", sid)
+    assert got["hidden_chars"] == 42 and got["markdown_truncated"] is True and got["truncated"] is False
+    plain = store.get("o", store.put("o", _source()))
+    assert plain["hidden_chars"] == 0 and plain["markdown_truncated"] is False
+
+
+def test_a_store_made_before_hidden_chars_gains_the_column(tmp_path):
+    import sqlite3
+
+    from sluice.webtools.store import _SCHEMA, SourceStore
+
+    path = tmp_path / "old.sqlite3"
+    db = sqlite3.connect(path)
+    db.executescript(_SCHEMA.replace("    hidden_chars INTEGER NOT NULL DEFAULT 0,\n", ""))
+    db.execute("INSERT INTO sources (id, owner, created, captured_at, url, final_url, status, content_type, title, "
+               "needs_javascript, truncated, size, content) VALUES ('src_old', 'o', strftime('%s','now'), 'x', "
+               "'https://a.example/', 'https://a.example/', 200, 'text/html', 't', 0, 0, 100, 'old words')")
+    db.commit()
+    db.close()
+    store = SourceStore(str(path))
+    assert store.get("o", "src_old")["hidden_chars"] == 0
+    assert store.get("o", store.put("o", _source(hidden_chars=7)))["hidden_chars"] == 7
