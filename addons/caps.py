@@ -16,7 +16,7 @@ from mitmproxy import connection, http
 from mitmproxy.connection import ConnectionState
 from mitmproxy.proxy.server_hooks import ServerConnectionHookData
 
-from sluice.addons import connections
+from sluice.addons import connections, mitm_patches
 from sluice.addons.audit import AuditLog
 from sluice.addons.failsafe import fail_closed
 from sluice.addons.policy_source import PolicySource
@@ -44,6 +44,12 @@ class Caps:
         self._tunnel_deadlines: dict[str, list[asyncio.TimerHandle]] = {}  # client id
         self._connect_timeouts: dict[str, Refusal] = {}  # client id -> the timeout that hit
 
+    def load(self, loader) -> None:
+        mitm_patches.set_stream_cap_listener(self)
+
+    def done(self) -> None:
+        mitm_patches.set_stream_cap_listener(None)
+
     # ---- called by the gate ----------------------------------------------
 
     def watch_client(self, client: connection.Client, rules: Rules) -> None:
@@ -56,6 +62,17 @@ class Caps:
         self._connect_deadlines[server.id] = loop.call_later(
             limits.connect_timeout, self._connect_expired, client, server, limits.connect_timeout
         )
+
+    def h2_stream_reset(self, flow: http.HTTPFlow, buffered: int, cap: int) -> None:
+        """mitm_patches reset an HTTP/2 stream whose client did not read it
+        (the backstop of h2_stream_buffer_cap): its audit line says so."""
+        verdict = verdict_of(flow)
+        if verdict is not None and verdict.cap is None:
+            verdict.cap = Refusal(
+                Reason.RESPONSE_TOO_LARGE,
+                f"the client left this HTTP/2 stream unread while the proxy held {buffered} bytes of it, over twice "
+                f"this proxy's {size_text(cap)} limits.h2_stream_buffer_bytes, so the stream was reset",
+                advice="Read each HTTP/2 stream as its data arrives (open its flow-control window); the request may be retried.")
 
     # ---- connect timeout -------------------------------------------------
 

@@ -907,6 +907,10 @@ PATCHES["cancelled_handler_close"] = (_patch_cancelled_handler_close, (
 #
 # Either way a stream holds at most about the cap plus one read (64 KiB),
 # and one client connection at most h2_max_concurrent_streams times that.
+# Should a stream's buffer still pass twice the cap plus two reads (an origin
+# that could not be held back), the stream is reset instead (RST_STREAM
+# toward the client, the exchange aborted upstream) and the listener
+# (addons/caps.py, `set_stream_cap_listener`) records `response_too_large`.
 # `Http2Server.__init__` announces `limits.h2_max_concurrent_streams`
 # (mitmproxy keeps h2's 100) as SETTINGS_MAX_CONCURRENT_STREAMS; h2 refuses a
 # client that opens more.
@@ -922,6 +926,23 @@ class _ReadHold:
 
 
 _read_holds: dict[connection.Connection, _ReadHold] = {}
+
+
+STREAM_READ = 64 * 1024  # what mitmproxy reads from a socket at once
+STREAM_RESET = "the HTTP/2 stream was reset: the client did not read it"
+
+
+class StreamCapListener(Protocol):
+    def h2_stream_reset(self, flow, buffered: int, cap: int) -> None:
+        """A stream of `flow` was reset holding `buffered` bytes (synchronous)."""
+
+
+_stream_cap_listener: StreamCapListener | None = None
+
+
+def set_stream_cap_listener(listener: StreamCapListener | None) -> None:
+    global _stream_cap_listener
+    _stream_cap_listener = listener
 
 
 def _h2_limits() -> Limits | None:
@@ -962,6 +983,8 @@ def _h2_origin(http_layer, server: connection.Connection):
 def _check_stream(layer_, stream_id: int, cap: int) -> list:
     """Hold or release one stream's origin; returns the commands to send."""
     buffered = _stream_buffered(layer_.h2_conn, stream_id)
+    if buffered > 2 * (cap + STREAM_READ):
+        return _reset(layer_, stream_id, buffered, cap)
     held = layer_._sluice_held.get(stream_id)
     if held is not None:
         return _release(layer_, stream_id) if buffered <= held[0] else []
@@ -982,6 +1005,28 @@ def _check_stream(layer_, stream_id: int, cap: int) -> list:
         _read_holds.setdefault(server, _ReadHold()).streams.add((id(layer_), stream_id))
         layer_._sluice_held[stream_id] = (cap // 2, server, None)
     return []
+
+
+def _reset(layer_, stream_id: int, buffered: int, cap: int) -> list:
+    """The backstop: reset the stream toward the client and abort its exchange."""
+    import h2.errors
+
+    http_layer = _http_layer(layer_)
+    stream = http_layer.streams.get(stream_id) if http_layer is not None else None
+    if stream is not None and stream.flow is not None and _stream_cap_listener is not None:
+        _stream_cap_listener.h2_stream_reset(stream.flow, buffered, cap)
+    if stream_id in layer_._sluice_held:
+        out = _release(layer_, stream_id)
+    else:
+        out = []
+    layer_.h2_conn.reset_stream(stream_id, h2.errors.ErrorCodes.CANCEL)  # drops its buffer
+    data = layer_.h2_conn.data_to_send()
+    if data:
+        out.append(commands.SendData(layer_.conn, data))
+    if layer_.streams.pop(stream_id, None) is not None:
+        # As if the client had reset it: the HttpStream aborts the exchange upstream.
+        out.append(ReceiveHttp(RequestProtocolError(stream_id, STREAM_RESET, code=ErrorCode.CANCEL)))
+    return out
 
 
 def _release(layer_, stream_id: int, send: bool = True) -> list:

@@ -71,7 +71,8 @@ REASONS: dict[Reason, ReasonInfo] = {
     Reason.METHOD_NOT_ALLOWED: ReasonInfo(403, "the HTTP method is not in the policy's `methods`"),
     Reason.CLIENT_UNKNOWN: ReasonInfo(407, "`require_client` is set and the client matched no profile (or gave wrong credentials)"),
     Reason.REQUEST_TOO_LARGE: ReasonInfo(413, "the request body is over `limits.max_request_bytes`"),
-    Reason.RESPONSE_TOO_LARGE: ReasonInfo(502, "the response body is over `limits.max_response_bytes`"),
+    Reason.RESPONSE_TOO_LARGE: ReasonInfo(502, "the response body is over `limits.max_response_bytes`, or an HTTP/2 client "
+                                                 "left a stream unread past twice `limits.h2_stream_buffer_bytes` (the stream is reset)"),
     Reason.CONNECT_TIMEOUT: ReasonInfo(504, "the origin did not accept the connection within `limits.connect_timeout`"),
     Reason.REQUEST_TIMEOUT: ReasonInfo(504, "the whole exchange took longer than `limits.request_timeout`"),
     Reason.TUNNEL_TOO_LARGE: ReasonInfo(502, "a tunnel carried more than `limits.tunnel_max_bytes` in one direction"),

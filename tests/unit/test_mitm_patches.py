@@ -446,3 +446,67 @@ def test_fast_dispatch_sees_addons_added_later():
 
     asyncio.run(scenario())
     assert seen == ["late"]
+
+
+# ---- h2_stream_buffer_cap's backstop, through a real Http2Server ------------------
+
+
+def test_h2_stream_left_unread_past_twice_the_cap_is_reset(monkeypatch):
+    """With no origin to hold back (none here), a stream whose client opens no
+    window is reset at twice the cap plus two reads, not buffered further."""
+    import h2.config
+    import h2.connection
+    import h2.events
+    import h2.settings
+    from mitmproxy.proxy.layers.http._events import ResponseData
+    from mitmproxy.proxy.layers.http._http2 import Http2Server
+
+    mitm_patches.install()
+    cap = 64 * 1024
+    monkeypatch.setattr(mitm_patches, "_head_guard", FakeGuard(Limits(h2_stream_buffer_bytes=cap, h2_max_concurrent_streams=7)))
+    client = connection.Client(peername=("192.0.2.1", 40000), sockname=("127.0.0.1", 8080), timestamp_start=time.time())
+    opts = options.Options()
+    opts.add_option("validate_inbound_headers", bool, True, "")  # the proxyserver addon's option
+    layer = Http2Server(Context(client, opts))
+    agent = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True, header_encoding="utf-8"))
+    agent.local_settings = h2.settings.Settings(client=True, initial_values={h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: 0})
+    agent.initiate_connection()
+    agent.send_headers(1, [(":method", "GET"), (":scheme", "https"), (":authority", "a.example"), (":path", "/")], end_stream=True)
+
+    to_agent = sent(layer.handle_event(events.Start()))
+    cmds = list(layer.handle_event(events.DataReceived(client, agent.data_to_send())))
+    assert heads(cmds) and agent.receive_data(to_agent + sent(cmds)) is not None
+    assert agent.remote_settings.max_concurrent_streams == 7  # the policy's, not h2's 100
+    cmds = list(layer.handle_event(ResponseHeaders(1, http.Response.make(200), end_stream=False)))
+    chunk = b"x" * 16 * 1024
+    errors = []
+    for _ in range(100):
+        cmds = list(layer.handle_event(ResponseData(1, chunk)))
+        errors = [c.event for c in cmds if isinstance(c, ReceiveHttp) and isinstance(c.event, RequestProtocolError)]
+        if errors:
+            break
+        assert mitm_patches._stream_buffered(layer.h2_conn, 1) <= 2 * (cap + mitm_patches.STREAM_READ)
+    assert errors and errors[0].stream_id == 1 and errors[0].message == mitm_patches.STREAM_RESET
+    assert mitm_patches._stream_buffered(layer.h2_conn, 1) == 0  # the buffer is freed
+    resets = [e for e in agent.receive_data(sent(cmds)) if isinstance(e, h2.events.StreamReset)]
+    assert [e.stream_id for e in resets] == [1]
+    # What the origin still sends for it is dropped, never buffered.
+    list(layer.handle_event(ResponseData(1, chunk)))
+    assert mitm_patches._stream_buffered(layer.h2_conn, 1) == 0
+
+
+def test_caps_audits_an_h2_stream_reset_as_response_too_large():
+    from mitmproxy.test import tflow
+
+    from sluice.addons.caps import Caps
+    from sluice.addons.verdict import META, Verdict
+    from sluice.policy.decide import Decision
+    from sluice.policy.reasons import Reason
+
+    flow = tflow.tflow()
+    verdict = Verdict("a.example", 443, Decision(True, address="192.0.2.7"), None, None)
+    flow.metadata[META] = verdict
+    Caps(source=None, audit=None).h2_stream_reset(flow, 300_000, 64 * 1024)
+    assert verdict.cap.reason is Reason.RESPONSE_TOO_LARGE
+    assert "300000 bytes" in verdict.cap.detail and "64 KiB limits.h2_stream_buffer_bytes" in verdict.cap.detail
+    assert verdict.cap.message.endswith("the request may be retried.")
