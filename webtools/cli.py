@@ -14,10 +14,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 
-from sluice.webtools.sanitize import for_terminal
+from sluice.webtools import sanitize
 
 COMMANDS = ("fetch", "source-read", "read", "request", "sitemap", "search")
 EXIT_ERROR = 1
@@ -99,19 +98,12 @@ def dispatch(args) -> int:
     if args.json:
         print(json_for_terminal(result))
     else:
-        print(for_terminal(render(name, result)), file=sys.stderr if failed else sys.stdout)
+        print(sanitize.for_terminal(render(name, result)), file=sys.stderr if failed else sys.stdout)
     return EXIT_ERROR if failed else 0
 
 
-# Characters json.dumps(ensure_ascii=False) leaves as they are that a
-# terminal acts on or hides (C1 controls, separators, bidi and zero-width
-# characters): written as \uXXXX escapes, the same JSON value.
-_JSON_UNSAFE = re.compile("[\x7f-\x9f\u00ad\u061c\u180e\u200b-\u200f\u2028-\u202e\u2060-\u206f\ufeff]")
-
-
 def json_for_terminal(result: dict) -> str:
-    text = json.dumps(result, ensure_ascii=False, indent=2)
-    return _JSON_UNSAFE.sub(lambda m: f"\\u{ord(m.group()):04x}", text)
+    return sanitize.json_for_terminal(json.dumps(result, ensure_ascii=False, indent=2))
 
 
 # `sluice mcp` and `sluice tools schema`: the agent integration, both made

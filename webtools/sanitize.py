@@ -19,6 +19,10 @@ title; and `sha256`/the dict cover exactly what is returned.
 - `for_terminal(text)`: for the CLI: terminal escape sequences (CSI, OSC,
   DCS, ...), C0 controls other than tab and newline, DEL and C1 controls
   removed.
+- `json_for_terminal(text)`: JSON text (json.dumps with ensure_ascii=False)
+  with the characters it leaves as they are that a terminal acts on or
+  hides (DEL, C1, separators, bidi, zero-width) written as \\uXXXX escapes:
+  the same JSON value.
 """
 
 from __future__ import annotations
@@ -106,3 +110,22 @@ def for_terminal(text: str) -> str:
     """`text` with no terminal escape sequence or control character left
     (tab and newline kept)."""
     return _TERMINAL_CONTROLS_RE.sub("", _ESCAPES_RE.sub("", text))
+
+
+# Inside JSON these can only be in strings, where \uXXXX is the same value.
+_JSON_UNSAFE_RE = re.compile(f"[\x7f-\x9f\u2028\u2029{_INVISIBLE}]")
+
+
+def json_for_terminal(text: str) -> str:
+    """JSON text with DEL, C1, separators, bidi and zero-width characters escaped."""
+    def escape(m: re.Match) -> str:
+        return "".join(f"\\u{u:04x}" for u in _utf16(m.group()))
+    return _JSON_UNSAFE_RE.sub(escape, text)
+
+
+def _utf16(ch: str) -> list[int]:
+    code = ord(ch)
+    if code < 0x10000:
+        return [code]
+    code -= 0x10000
+    return [0xD800 + (code >> 10), 0xDC00 + (code & 0x3FF)]

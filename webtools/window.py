@@ -9,22 +9,21 @@ The envelope: `<page url="…" title="…" end="NONCE">…</page end="NONCE">`
 with a NONCE drawn fresh for every call (128 random bits, base32) and never
 one that occurs in the page, so a page that writes its own closing tag cannot
 end the envelope early. Attribute values are escaped (`&`, `<`, `>`, `"`,
-`'`) and control characters become spaces.
+`'`) after the one sanitiser (webtools.sanitize.clean: control characters
+and separators become spaces, bidi and zero-width characters go).
 """
 
 from __future__ import annotations
 
 import base64
 import html
-import re
 import secrets
 
 from sluice.webtools.errors import WebError
+from sluice.webtools.sanitize import clean
 
 DEFAULT_MAX_CHARS = 40_000
 MAX_MAX_CHARS = 200_000
-
-_CONTROLS = re.compile(r"[\x00-\x1f\x7f]")
 
 
 def check_window_args(offset, max_chars) -> None:
@@ -75,7 +74,7 @@ def new_nonce() -> str:
 
 
 def attribute(value: str | None) -> str:
-    return html.escape(_CONTROLS.sub(" ", value or ""), quote=True)
+    return html.escape(clean(value), quote=True)
 
 
 def envelope(body: str, *, url: str, title: str | None = None, tag: str = "page", nonce: str | None = None) -> str:
