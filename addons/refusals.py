@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import weakref
+
 from mitmproxy import http
 from mitmproxy.net.http import status_codes
 
@@ -11,6 +13,15 @@ from sluice.addons.verdict import verdict_of
 from sluice.policy.reasons import REASONS, Reason, Refusal
 
 REASON_HEADER = "Sluice-Reason"
+
+# Every response Sluice itself makes (refusals, error answers). Only these may
+# carry Sluice-Reason, `Proxy-Status: sluice` or Proxy-Authenticate: the
+# origin-headers addon strips them from every other (an origin's) response.
+_SLUICE_MADE: "weakref.WeakSet[http.Response]" = weakref.WeakSet()
+
+
+def sluice_made(response: http.Response) -> bool:
+    return response in _SLUICE_MADE
 
 _PROXY_STATUS_ERRORS = {
     Reason.DNS_FAILED: "dns_error",
@@ -62,6 +73,7 @@ def refusal_phrase(refusal: Refusal) -> str:
 def refusal_response(refusal: Refusal) -> http.Response:
     response = http.Response.make(refusal.status, refusal_body(refusal), refusal_headers(refusal))
     response.reason = refusal_phrase(refusal)
+    _SLUICE_MADE.add(response)
     return response
 
 
@@ -82,7 +94,9 @@ def error_response(status: int, message: str) -> http.Response:
     text = "".join(c if " " <= c <= "~" else "?" for c in message)[:300].strip().rstrip(". ")
     body = f"Sluice could not complete this request ({status} {phrase}): {text or 'no details'}.\n".encode()
     headers = {"Content-Type": "text/plain; charset=utf-8", "Proxy-Status": "sluice", "Cache-Control": "no-store"}
-    return http.Response.make(status, body, headers)
+    response = http.Response.make(status, body, headers)
+    _SLUICE_MADE.add(response)
+    return response
 
 
 def error_bytes(status: int, message: str) -> bytes:

@@ -2,7 +2,9 @@
 
 `sluice proxy` loads the same list in-process. Order matters: the gate
 decides first, the redirect guard and caps act on its verdict, and the audit
-log writes last, once every cap has had its say. The credential injector
+log writes last, once every cap has had its say. The origin-headers addon
+strips the proxy's own header fields from origin responses before any other
+addon reads or replaces them (addons/origin_headers.py). The credential injector
 runs right after the gate and its quotas, so after the gate's
 `strip_request_headers` and only on requests they let through.
 """
@@ -15,6 +17,7 @@ from sluice.addons.gate import EgressGate
 from sluice.addons.guardrails import Guardrails
 from sluice.addons.head_limits import HeadLimits
 from sluice.addons import mitm_patches
+from sluice.addons.origin_headers import OriginHeaders
 from sluice.addons.policy_source import PolicySource
 from sluice.addons.quotas import Quotas
 from sluice.addons.redirects import RedirectGuard
@@ -43,7 +46,7 @@ def make_addons(*, lifecycle: bool = False, metrics: bool = False) -> list:
         from sluice.addons.metrics import Metrics
 
         operations.append(Metrics(audit, source, tunnels))
-    return [Guardrails(), source, ConnectionAudit(audit), gate, Quotas(source, audit, caps, gate), Upstreams(gate, audit), CredentialInjector(source, audit), RedirectGuard(source), UpgradeGuard(caps, source), caps, HeadLimits(source, audit), audit, *operations]
+    return [Guardrails(), source, ConnectionAudit(audit), OriginHeaders(), gate, Quotas(source, audit, caps, gate), Upstreams(gate, audit), CredentialInjector(source, audit), RedirectGuard(source), UpgradeGuard(caps, source), caps, HeadLimits(source, audit), audit, *operations]
 
 
 addons = make_addons()

@@ -49,6 +49,7 @@ class Reason(StrEnum):
     TOO_MANY_TUNNELS = "too_many_tunnels"
     SHUTDOWN = "shutdown"
     CREDENTIAL_PLAIN_HTTP = "credential_plain_http"
+    ORIGIN_PROXY_AUTH = "origin_proxy_auth"
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,7 +89,7 @@ REASONS: dict[Reason, ReasonInfo] = {
     Reason.HEADERS_TOO_LARGE: ReasonInfo(431, "the request head is over `limits.max_header_bytes` or has more than `limits.max_header_count` fields"),
     Reason.HEADER_TIMEOUT: ReasonInfo(408, "the request head did not arrive whole within `limits.header_timeout`"),
     Reason.AUTH_THROTTLED: ReasonInfo(407, "too many wrong proxy passwords from this address or for this user, or too many password checks waiting; retry after the `Retry-After` seconds"),
-    Reason.TUNNEL_REVOKED: ReasonInfo(403, "an open tunnel was closed because a reloaded policy refuses its destination"),
+    Reason.TUNNEL_REVOKED: ReasonInfo(403, "an open tunnel or WebSocket pipe was closed because a reloaded policy refuses it: its destination, or its client, which a reload matches again (user, source) and which now belongs to a profile that refuses it, or to none"),
     Reason.PROXY_LOOP: ReasonInfo(403, "the destination is an address of the proxy's own host, on any port: a listener's address, every interface address when the proxy listens on a wildcard, or one of `proxy_addresses`"),
     Reason.RATE_LIMITED: ReasonInfo(429, "the client is over its `limits.requests_per_second` (and `burst`); retry after the `Retry-After` seconds"),
     Reason.HOST_RATE_LIMITED: ReasonInfo(429, "the client is over its `limits.max_requests_per_host_per_minute` for this host; retry after the `Retry-After` seconds (other hosts are not affected)"),
@@ -97,6 +98,7 @@ REASONS: dict[Reason, ReasonInfo] = {
     Reason.TOO_MANY_TUNNELS: ReasonInfo(429, "the client has `limits.max_tunnels` tunnels (CONNECT, SOCKS5, transparent, WebSocket pipes) open"),
     Reason.SHUTDOWN: ReasonInfo(503, "the proxy was shutting down and the exchange or tunnel was still open when `--drain-timeout` ran out; retrying (through another replica) is reasonable"),
     Reason.CREDENTIAL_PLAIN_HTTP: ReasonInfo(403, "the proxy holds a credential for this host and sends it over HTTPS only (no `allow_plain_http`), and the request is plain http"),
+    Reason.ORIGIN_PROXY_AUTH: ReasonInfo(502, "the origin answered 407 Proxy Authentication Required, which only the proxy may send (an origin could pose as Sluice asking for a password); Sluice answers 502 instead"),
 }
 
 # Sent with every refusal so an agent knows this is deliberate and final

@@ -8,21 +8,35 @@ and `NO_PROXY` is ignored for the same reason. `user:pass@` in the proxy URL
 is sent to the proxy (Proxy-Authorization) for a client profile, never to an
 origin. TLS is verified against the public CAs (certifi) plus
 `SLUICE_CA_CERT` (the CA of an intercepting Sluice); `SSL_CERT_FILE`, when
-set and `SLUICE_CA_CERT` is not, replaces the bundle as it does elsewhere.
+set, replaces the public bundle as it does elsewhere (SLUICE_CA_CERT is still
+added).
 
-First-line checks. URLs a model gives (and every redirect target) are
-checked before any request with the proxy's own code (`sluice.policy`):
-http/https only, no `user:pass@`, a valid host, no internal names, no
-literal non-public address. A failure is `web_blocked` with the same reason
-code the proxy would send and `by: "client"`. The proxy remains the
-authority: everything that passes is decided again there (DNS answers,
-allow/deny lists, ports, caps), and its refusals come back as `web_blocked`
-with `by: "proxy"`: from the `Sluice-Reason` header, or, for a refused
-CONNECT (whose headers and body httpx never shows), from the status line's
-reason phrase, `403 Sluice address_not_public`. A 407 is `web_proxy_auth`.
+First-line checks. URLs a model gives (and every redirect target, and
+search results' links) are checked before any request with the proxy's own
+code (`sluice.policy`): http/https only, no `user:pass@`, a valid host, no
+internal names, no literal non-public address. A failure is `web_blocked`
+with the same reason code the proxy would send and `by: "client"`. What is
+checked is what is requested: a backslash in the host part, or a host, port
+or user name that policy/urls.py and httpx read differently, is
+`web_bad_url`, and the request is built from the checked components
+(`request_url`).
+
+Only the proxy speaks for the proxy. It remains the authority: everything
+that passes is decided again there (DNS answers, allow/deny lists, ports,
+caps), and its refusals come back as `web_blocked` with `by: "proxy"` only
+when the proxy made the response (`proxy_made`): over plain http (the proxy
+strips Sluice's header fields from every origin response), and over https
+only inside a tunnel Sluice intercepts (the leaf certificate is issued by the
+CA in SLUICE_CA_CERT); in any other tunnel every response is the origin's.
+A refused CONNECT (whose headers and body httpx never shows) is read from
+the status line's reason phrase, `403 Sluice address_not_public`. A
+proxy-made 407 is `web_proxy_auth`. The message is Sluice's sentence for the
+reason code plus the proxy's own sentence, cleaned and bounded; never the
+origin's text.
 
 Redirects are followed here, at most 5, each a new request through the proxy
-after the first-line check; credentials given for an origin (Authorization,
+after the first-line check (a refused hop is `redirect_refused`, by the
+client or by the proxy, "the redirect from A to B ..."); credentials given for an origin (Authorization,
 provider keys) are sent only to that origin (scheme, host and port). No
 cookies are kept (the jar refuses every cookie), no scripts run, nothing else
 is loaded.
@@ -214,6 +228,12 @@ def request_url(url: str, *, first_line: bool = True) -> httpx.URL:
     if theirs != checked or (parsed.port or default) != target.port or bool(parsed.userinfo) != target.has_credentials:
         raise differs
     host = checked.address if isinstance(checked, IPHost) else checked.name
+    if scheme == "http" and ":" in host:
+        # httpcore writes the absolute-form request line to the proxy without
+        # the brackets (`GET http://2606:4700::1:8080/`): another address, or
+        # none, to whoever reads it. Over https the CONNECT target is fine.
+        raise WebError("web_bad_url", f"{shown}: plain http to an IPv6 address cannot be sent through the proxy "
+                       "unambiguously; use https://, or a host name")
     built = httpx.URL(scheme=scheme, host=host, port=None if target.port == default else target.port,
                       raw_path=parsed.raw_path, fragment=parsed.fragment or None)
     if parse_host(built.raw_host.decode("ascii")) != checked or (built.port or default) != target.port:
@@ -328,22 +348,23 @@ _SSL_CACHE: dict[tuple, ssl.SSLContext] = {}
 def ssl_context(env: dict | None = None) -> ssl.SSLContext:
     env = os.environ if env is None else env
     extra = env.get("SLUICE_CA_CERT") or None
-    replace = None if extra else (env.get("SSL_CERT_FILE") or None)
+    replace = env.get("SSL_CERT_FILE") or None  # in place of certifi's public CAs; SLUICE_CA_CERT is added to either
     key = (extra, replace)
     ctx = _SSL_CACHE.get(key)
     if ctx is None:
         try:
+            name, path = "SSL_CERT_FILE", replace
             if replace:
                 ctx = ssl.create_default_context(cafile=replace)
             else:
                 import certifi
 
                 ctx = ssl.create_default_context(cafile=certifi.where())
-                if extra:
-                    ctx.load_verify_locations(cafile=extra)
+            if extra:
+                name, path = "SLUICE_CA_CERT", extra
+                ctx.load_verify_locations(cafile=extra)
         except (OSError, ssl.SSLError) as e:
-            name = "SLUICE_CA_CERT" if extra else "SSL_CERT_FILE"
-            raise WebError("web_tls_error", f"the CA file in {name} ({extra or replace}) cannot be loaded: {e}") from None
+            raise WebError("web_tls_error", f"the CA file in {name} ({path}) cannot be loaded: {e}") from None
         _SSL_CACHE[key] = ctx
     return ctx
 
@@ -733,7 +754,9 @@ def refused_by_proxy(reason_text: str, body: str, url: str, status: int | None) 
     shown = clean(url, URL_CHARS)
     what = f"the redirect from {shown}" if reason == Reason.REDIRECT_REFUSED.value else f"the request for {shown}"
     message = f"Sluice refused {what} ({reason}: {meaning}). " + (f"The proxy said: {said}" if said else POLICY_SUFFIX)
-    return WebError("web_blocked", message, reason=reason, by="proxy", url=shown, status=status)
+    # An origin's 407 the proxy replaced is the origin failing, not the policy refusing.
+    code = "web_unreachable" if reason == Reason.ORIGIN_PROXY_AUTH.value else "web_blocked"
+    return WebError(code, message, reason=reason, by="proxy", url=shown, status=status)
 
 
 def redirect_target(current: str, target, *, check: bool) -> str:

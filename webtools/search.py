@@ -42,7 +42,7 @@ import time
 from dataclasses import dataclass
 from urllib.parse import parse_qs, parse_qsl, urlencode, urlsplit, urlunsplit
 
-from sluice.webtools.client import Fetched, ReadPlan, WebClient, call_client, first_line_refusal
+from sluice.webtools.client import Fetched, ReadPlan, WebClient, call_client, check_url
 from sluice.webtools.errors import WebError
 from sluice.webtools.sanitize import TITLE_CHARS, URL_CHARS, clean, is_clean
 from sluice.policy.urls import split_url
@@ -156,9 +156,9 @@ def dedupe_key(url) -> str | None:
     except ValueError:
         return None
     scheme = target.scheme.lower()
-    if scheme not in ("http", "https"):
-        return None
-    if first_line_refusal(scheme, target.host, target.has_credentials) is not None:
+    try:
+        check_url(url)  # exactly fetch's check: the policy's refusals and the parser differentials (backslashes)
+    except WebError:
         return None
     try:
         port = parts.port

@@ -276,6 +276,7 @@ def test_fetch_windows_tile_over_a_long_page_and_source_read(web):
 def test_fetch_truncates_at_the_read_cap(web):
     r = fetch(f"{BASE}/long.txt", client=web(text_bytes=5000), store=SourceStore(":memory:"))
     assert r["truncated"] is True and "[truncated" in r["text"] and LONG_TEXT.startswith(r["content"][:-1])
+    assert "read cap (5,000 bytes)" in r["text"] and "2 MiB" not in r["text"], r["text"]  # the cap that cut it
 
 
 def test_envelope_fresh_per_call_and_not_closable_by_the_page(web):
@@ -345,10 +346,13 @@ def test_redirect_to_metadata_is_the_proxys_refusal(web, canaries):
 
 
 def test_redirect_to_metadata_over_https_is_refused_by_the_first_line(web, canaries):
-    # The proxy cannot see inside a plain tunnel: the tools' own check refuses the hop.
+    # The proxy cannot see inside a plain tunnel: the tools' own check refuses
+    # the hop, with the same code the proxy gives over http.
     r = fetch(f"{TLS_BASE}/to-metadata", client=web())
     e = r["error"]
-    assert e["code"] == "web_blocked" and e["by"] == "client" and e["reason"] == "address_not_public", r
+    assert e["code"] == "web_blocked" and e["by"] == "client" and e["reason"] == "redirect_refused", r
+    assert e["target_reason"] == "address_not_public" and e["location"] == "http://169.254.169.254/latest/meta-data/"
+    assert f"the redirect from {TLS_BASE}/to-metadata to http://169.254.169.254/" in e["message"], r
     canaries.assert_untouched()
 
 
