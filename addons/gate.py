@@ -26,8 +26,10 @@
   mitmproxy's connect): only an IP address this gate approved for the client connection
   may be dialled, never a name; after the connect, the peer must be that
   address (else `pin_mismatch`, closed before a byte passes).
-- A reload re-decides every open tunnel against the new policy and closes
-  those it refuses (`tunnel_revoked`).
+- A reload matches every open tunnel's client again (user, source) and
+  re-decides the tunnel with the profile it matches now; it closes those
+  the new policy refuses or whose client matches no profile any more
+  (`tunnel_revoked`).
 - A destination at one of the proxy's own host's addresses, on any port, is
   `proxy_loop` (addons/own_host.py says which addresses), decided with the
   rest so the client gets the 403 and the audit line says refuse; the dial
@@ -36,6 +38,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import ipaddress
 import logging
@@ -58,6 +61,7 @@ from sluice.addons.policy_source import LivePolicy, PolicySource
 from sluice.addons.refusals import refusal_response
 from sluice.addons.resolver import decide
 from sluice.addons.verdict import META, Verdict, verdict_of
+from sluice.policy.clients import rematch
 from sluice.policy.decide import Decision, Destination, check_address, check_answers, check_request, intercepts
 from sluice.policy.hosts import HostError, NameHost, parse_host
 from sluice.policy.model import Policy, Rules
@@ -156,6 +160,7 @@ class EgressGate:
                           client.rules if client.refusal is None else None, intercept=intercept, method=dest.method)
         flow.metadata[META] = verdict
         verdict.user = _user(live.policy, authorization)
+        verdict.identity = self.identity.identity(live.policy, flow.client_conn, authorization, client)
         if connect:
             verdict.connect_id = flow.id  # its tunnel's line, and the requests inside, carry it
         if not decision.allowed:
@@ -265,6 +270,7 @@ class EgressGate:
         intercept = intercepts(client.rules, host)
         verdict = Verdict(host, port, decision, client.profile, client.rules, intercept=intercept)
         verdict.user = self.identity.socks5_user(data.client)
+        verdict.identity = self.identity.identity(live.policy, data.client, None, client)
         self._remember_tunnel(data.client, server, verdict)
         self._approve(data.client, decision.address, port, client.rules)
         server.address = (decision.address, port)  # pin
@@ -437,14 +443,17 @@ class EgressGate:
     # ---- reloads reach open tunnels ------------------------------------
 
     def revoke_refused_tunnels(self, live: LivePolicy) -> None:
-        """After a reload: re-decide every open tunnel (its identity and pinned
-        addresses kept, the rules new) and close those the policy now refuses."""
+        """After a reload: match every open tunnel's client again (its user,
+        its source) and re-decide the tunnel with the profile it matches now
+        (pinned addresses kept); close those the policy now refuses, or whose
+        client matches no profile any more. The requests inside an
+        intercepted tunnel then follow that profile (credentials included)."""
         for client_id, server_ids in list(self._client_tunnels.items()):
             for server_id in server_ids:
                 tunnel = self._tunnels.get(server_id)
                 if tunnel is None or tunnel.logged or tunnel.cap is not None or tunnel.client is None:
                     continue
-                refusal = still_allowed(live.policy, tunnel)
+                refusal = redecide(live.policy, tunnel)
                 if refusal is not None:
                     self.caps.cut_tunnel(tunnel.client, tunnel, Refusal(
                         Reason.TUNNEL_REVOKED, f"the reloaded policy refuses this tunnel ({refusal.reason.value}: {refusal.detail})"))
@@ -462,7 +471,7 @@ def _user(policy: Policy, authorization: str | None) -> str | None:
 def _inside(flow: http.HTTPFlow, tunnel: Verdict) -> None:
     """A request inside a tunnel is its tunnel's client: same user, same CONNECT."""
     verdict = verdict_of(flow)
-    verdict.user, verdict.connect_id = tunnel.user, tunnel.connect_id
+    verdict.user, verdict.connect_id, verdict.identity = tunnel.user, tunnel.connect_id, tunnel.identity
 
 
 def _same_host(a: str, b: str) -> bool:
@@ -554,12 +563,37 @@ def _canonical_ip(text: str) -> str | None:
     return str(ip)
 
 
+def redecide(policy: Policy, tunnel: Verdict) -> Refusal | None:
+    """After a reload, for an open tunnel or pipe: its client matched again
+    (`rematch`: the user it proved to be, or its source address) and the
+    tunnel decided with that profile's rules. Allowed: the tunnel now belongs
+    to that profile (its requests, credentials and limits follow it). Else
+    the refusal (the caller closes it `tunnel_revoked`)."""
+    if tunnel.identity is None:
+        return still_allowed(policy, tunnel)
+    match = rematch(policy, tunnel.identity)
+    if match.refusal is not None:
+        return dataclasses.replace(match.refusal, detail=f"its client matches no client profile now: {match.refusal.detail}")
+    refusal = _allows(match.rules, tunnel)
+    if refusal is None and tunnel.decision.address is not None:
+        refusal = OWN_HOST.refusal(match.rules, policy.proxy_addresses, tunnel.decision.addresses or (tunnel.decision.address,),
+                                   tunnel.port)
+    if refusal is None:
+        tunnel.profile, tunnel.rules = match.profile, match.rules
+    return refusal
+
+
 def still_allowed(policy: Policy, tunnel: Verdict) -> Refusal | None:
-    """Would the policy now allow this open tunnel? Pure: the addresses are
-    the ones it was validated and pinned with, no new lookup."""
+    """Would the policy now allow this open tunnel for the profile it belongs
+    to? Pure: the addresses are the ones it was validated and pinned with, no
+    new lookup."""
     rules = _live_rules(policy, tunnel.profile)
     if rules is None:
         return Refusal(Reason.CLIENT_UNKNOWN, f"the client profile {tunnel.profile!r} is no longer in the policy")
+    return _allows(rules, tunnel)
+
+
+def _allows(rules: Rules, tunnel: Verdict) -> Refusal | None:
     # The same question the tunnel was opened with (a CONNECT's method too).
     decision = check_request(rules, Destination(tunnel.host, tunnel.port, method=tunnel.method))
     if decision.needs_dns:

@@ -54,10 +54,12 @@ from sluice.policy.clients import (
     VIA_HTTP,
     VIA_SOCKS5,
     VIA_SOURCE,
+    ClientIdentity,
     ClientMatch,
     PasswordCheck,
     checked,
     identify,
+    identity_of,
     profile_match,
     throttled,
     verify_password,
@@ -228,6 +230,20 @@ class ClientIdentifier:
         if result.refusal is None:
             self._socks_logins[client.id] = (result.profile, username)
         return result
+
+    def identity(self, policy: Policy, client: connection.Client, authorization: str | None,
+                 match: ClientMatch) -> ClientIdentity | None:
+        """Who this client proved to be in `match` (None if it was refused),
+        kept with its tunnels so a reload can match it again (`rematch`)."""
+        if match.refusal is not None:
+            return None
+        login = self._socks_logins.get(client.id) if authorization is None else None
+        if login is not None:
+            username = login[1]
+        else:
+            credentials = parse_basic(authorization)
+            username = credentials[0] if credentials else None
+        return identity_of(policy, _source(client), username, _via(client))
 
     def socks5_user(self, client: connection.Client) -> str | None:
         """The username this connection's SOCKS5 login matched, for the audit log."""

@@ -24,7 +24,7 @@ from mitmproxy import http, tcp
 
 from sluice.addons.caps import Caps, size_text
 from sluice.addons.failsafe import fail_closed
-from sluice.addons.gate import still_allowed
+from sluice.addons.gate import redecide
 from sluice.addons.policy_source import LivePolicy, PolicySource
 from sluice.addons.refusals import noted, refusal_response
 from sluice.addons.verdict import META, Verdict, verdict_of
@@ -82,7 +82,7 @@ class UpgradeGuard:
         pipe = Verdict(upgraded.host, upgraded.port, upgraded.decision, upgraded.profile, upgraded.rules,
                        method=upgraded.method)
         pipe.client = flow.client_conn
-        pipe.user, pipe.connect_id = upgraded.user, upgraded.connect_id
+        pipe.user, pipe.connect_id, pipe.identity = upgraded.user, upgraded.connect_id, upgraded.identity
         pipe.transfer = upgraded.transfer
         flow.metadata[META] = pipe
         self._pipes.setdefault(flow.client_conn.id, []).append(pipe)
@@ -124,13 +124,14 @@ class UpgradeGuard:
         return [pipe for pipes in self._pipes.values() for pipe in pipes if not pipe.logged and pipe.cap is None]
 
     def revoke_refused_pipes(self, live: LivePolicy) -> None:
-        """After a reload, like the gate's tunnels: a pipe whose destination
-        (or request) the new policy refuses is closed."""
+        """After a reload, like the gate's tunnels: the pipe's client is
+        matched again, and a pipe the new policy refuses (or whose client
+        matches no profile any more) is closed."""
         for pipes in list(self._pipes.values()):
             for pipe in pipes:
                 if pipe.logged or pipe.cap is not None:
                     continue
-                refusal = still_allowed(live.policy, pipe)
+                refusal = redecide(live.policy, pipe)
                 if refusal is not None:
                     self.caps.cut_tunnel(pipe.client, pipe, Refusal(
                         Reason.TUNNEL_REVOKED, f"the reloaded policy refuses this upgraded connection ({refusal.reason.value}: {refusal.detail})"))

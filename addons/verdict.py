@@ -35,6 +35,9 @@ class Verdict:
     client: object = None  # a tunnel's client connection, for cutting it on reload
     user: str | None = None  # the proxy username the client authenticated (or was refused) as
     connect_id: str | None = None  # the id of the CONNECT that opened the tunnel this belongs to
+    # Who the client proved to be (policy.clients.ClientIdentity): a reload
+    # matches an open tunnel's or pipe's client again with it.
+    identity: object = None
     # Its client's bytes_per_hour, charged per chunk as bodies (or a pipe's
     # bytes) pass: addons/quotas.TransferCharge, set by the quotas addon.
     transfer: object = None

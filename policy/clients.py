@@ -150,6 +150,45 @@ def profile_match(policy: Policy, name: str | None) -> ClientMatch:
         note=policy.rules.refusal_note))
 
 
+@dataclass(frozen=True, slots=True)
+class ClientIdentity:
+    """Who an open connection's client proved to be when it was matched: its
+    source address, and the username and verifier its password passed (only
+    when the policy had users). Enough to match it again against a reloaded
+    policy without its password (`rematch`)."""
+
+    source: str | None
+    username: str | None = None
+    verifier: str | None = None
+    via: str = VIA_HTTP
+
+
+def identity_of(policy: Policy, source: str | None, username: str | None, via: str = VIA_HTTP) -> ClientIdentity:
+    """The identity of a client that `policy` just matched (its password, if
+    any, was right), for `rematch` after a reload."""
+    if username is None or not any(profile.credentials for profile in policy.clients):
+        return ClientIdentity(source, None, None, via)
+    found = _profile_for_user(policy, username)
+    return ClientIdentity(source, username, found[1] if found else None, via)
+
+
+def rematch(policy: Policy, identity: ClientIdentity) -> ClientMatch:
+    """The client of an open connection matched against a reloaded policy, as
+    a new request with the same credentials would be: a user is matched only
+    while the policy still lists that username with the same verifier (a
+    changed or removed password no longer proves anything: wrong
+    credentials); else by source address, else the top level (refused with
+    `require_client`)."""
+    if identity.username is not None and any(profile.credentials for profile in policy.clients):
+        found = _profile_for_user(policy, identity.username)
+        if found is None or identity.verifier is None or not hmac.compare_digest(found[1], identity.verifier):
+            return _wrong_credentials(policy)
+        return ClientMatch(found[0].rules, found[0].name)
+    step = identify(policy, identity.source, None, None, identity.via)
+    assert isinstance(step, ClientMatch)  # no username: no password to check
+    return step
+
+
 def checked(policy: Policy, check: PasswordCheck, ok: bool) -> ClientMatch:
     """The client once its password check came out `ok` or not."""
     if ok and check.profile is not None:

@@ -12,6 +12,11 @@ own host.
   `private_networks` names that address and port; a proxy bound to
   loopback refuses the operator's `proxy_addresses` and still reaches the
   other origins.
+- Reload re-identifies open tunnels: a user moved out of the profile that
+  holds a credential (or a source CIDR moved to another profile) no longer
+  gets the secret on its next request inside its already-open intercepted
+  tunnel; a user removed altogether (`require_client`) has the tunnel
+  closed `tunnel_revoked`.
 
 The origin (tests/harness/vhosts.py) serves a.example on 1.1.1.1 (TLS 8443,
 plain 8081) and echoes WebSocket pipes.
@@ -19,15 +24,19 @@ plain 8081) and echoes WebSocket pipes.
 
 from __future__ import annotations
 
+import base64
 import signal
 import socket
 import time
+from pathlib import Path
 
 import pytest
 import yaml
 
 from harness import SluiceProcess, absolute_form, connect, default_policy, free_port
+from harness.clients import Tunnel, _Reader, read_response
 from harness.vhosts import A, PLAIN_PORT, TLS_PORT, start_vhost_origin
+from sluice.policy.loader import hash_password
 from relkit import wait_until
 
 pytestmark = pytest.mark.netns
@@ -195,3 +204,128 @@ def test_proxy_addresses_are_the_host_and_other_origins_still_work(sluice_factor
     reload(proxy, default_policy())
     proxy.wait_audit(lambda e: e["event"] == "reload" and e["decision"] == "ok", since=mark, what="the reload")
     assert absolute_form(proxy.address, "http://1.1.1.1/").status == 200
+
+
+# ---- item 7: a reload re-identifies the clients of open tunnels ----------------------
+
+SECRET = "sk-reload-held-5e81c2"
+PASSWORDS = {"alice": "alice-pw-19d4", "bob": "bob-pw-7c20", "carol": "carol-pw-a3f0"}
+LAB = "127.0.0.2"  # a client known by its source address
+HASHES = {user: hash_password(pw, iterations=10_000) for user, pw in PASSWORDS.items()}
+
+
+def identity_policy(secret_file: Path, holders: tuple[str, ...], plain: tuple[str, ...]) -> dict:
+    """Profile `holders` gets the credential for a.example, `plain` does not;
+    each lists the users (and the LAB source) given. require_client: a
+    client in neither is refused."""
+    def members(names):
+        users = {n: {"password_hash": HASHES[n]} for n in names if n in HASHES}
+        entry = {"users": users} if users else {}
+        if LAB in names:
+            entry["sources"] = [f"{LAB}/32"]
+        return entry
+
+    policy = vhost_policy(require_client=True)
+    policy["clients"] = [
+        {"name": "holders", **members(holders), "allow": [A], "intercept": [A],
+         "credentials": [{"hosts": [A], "set_headers": {"X-Api-Key": {"file": str(secret_file)}}}]},
+        {"name": "plain", **members(plain), "allow": [A], "intercept": [A]},
+    ]
+    return policy
+
+
+@pytest.fixture(scope="module")
+def reidentify(sluice_factory, origin, tls_ca, sluice_home, tmp_path_factory):
+    secret_file = tmp_path_factory.mktemp("reload-secret") / "api.key"
+    secret_file.write_text(SECRET + "\n")
+    proxy = sluice_factory(identity_policy(secret_file, ("alice", "carol", LAB), ("bob",)), name="reidentify",
+                           extra_args=("--set", f"ssl_verify_upstream_trusted_ca={tls_ca.cafile}",
+                                       "--set", "sluice_policy_poll=0"))
+    ca = str(Path(sluice_home) / ".sluice" / "ca" / "mitmproxy-ca-cert.pem")
+    return proxy, secret_file, ca
+
+
+def reload_to(proxy, policy: dict) -> None:
+    if proxy.policy_file.read_text() == yaml.safe_dump(policy, sort_keys=False):
+        return  # already in force
+    mark = proxy.audit_mark()
+    reload(proxy, policy)
+    proxy.wait_audit(lambda e: e["event"] == "reload" and e["decision"] == "ok", since=mark, timeout=10,
+                     what="the reload")
+
+
+def intercepted_tunnel(proxy, ca: str, user: str | None = None, source: str | None = None) -> Tunnel:
+    """CONNECT a.example:TLS_PORT (as `user`, or from `source`), then TLS with Sluice's CA."""
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    s.settimeout(10)
+    if source:
+        s.bind((source, 0))
+    s.connect(proxy.address)
+    auth = ""
+    if user:
+        token = base64.b64encode(f"{user}:{PASSWORDS[user]}".encode()).decode()
+        auth = f"Proxy-Authorization: Basic {token}\r\n"
+    s.sendall(f"CONNECT {A}:{TLS_PORT} HTTP/1.1\r\nHost: {A}:{TLS_PORT}\r\n{auth}\r\n".encode())
+    reader = _Reader(s)
+    response = read_response(reader, method="CONNECT", connect=True)
+    assert response.status == 200, response
+    tunnel = Tunnel(s, reader)
+    tunnel.start_tls(A, ca)
+    return tunnel
+
+
+def key_seen(tunnel: Tunnel, origin, path: str):
+    """One request inside the tunnel: (status, the X-Api-Key the origin got, or None)."""
+    origin.reset()
+    tunnel.sock.sendall(f"GET {path} HTTP/1.1\r\nHost: {A}:{TLS_PORT}\r\n\r\n".encode())
+    response = read_response(tunnel.reader)
+    seen = [s for s in origin.seen(A) if s.target == path]
+    return response.status, (seen[0].headers.get("x-api-key") if seen else None)
+
+
+@pytest.mark.parametrize("who", ["user", "source"])
+def test_a_reload_moves_an_open_tunnels_client_to_the_profile_it_matches_now(reidentify, origin, who):
+    proxy, secret_file, ca = reidentify
+    reload_to(proxy, identity_policy(secret_file, ("alice", "carol", LAB), ("bob",)))
+    tunnel = intercepted_tunnel(proxy, ca, user="alice" if who == "user" else None,
+                                source=LAB if who == "source" else None)
+    try:
+        assert key_seen(tunnel, origin, f"/{who}/before") == (200, SECRET)
+        # The operator moves alice (or the LAB source) to the profile without the credential.
+        moved = ("alice",) if who == "user" else (LAB,)
+        reload_to(proxy, identity_policy(secret_file, tuple(n for n in ("alice", "carol", LAB) if n not in moved),
+                                         ("bob", *moved)))
+        mark = proxy.audit_mark()
+        status, key = key_seen(tunnel, origin, f"/{who}/after")
+        assert key is None, "the open tunnel still received the credential after the reload"
+        assert status == 200
+        line = proxy.wait_audit(lambda e: e["event"] == "request" and e.get("host") == A, since=mark)
+        assert line["profile"] == "plain" and line.get("credential") is None, line
+    finally:
+        tunnel.close()
+
+
+def test_a_reload_that_removes_an_open_tunnels_user_closes_it_revoked(reidentify, origin):
+    proxy, secret_file, ca = reidentify
+    reload_to(proxy, identity_policy(secret_file, ("alice", "carol", LAB), ("bob",)))
+    tunnel = intercepted_tunnel(proxy, ca, user="alice")
+    other = intercepted_tunnel(proxy, ca, user="carol")
+    try:
+        assert key_seen(tunnel, origin, "/removed/before") == (200, SECRET)
+        mark = proxy.audit_mark()
+        reload_to(proxy, identity_policy(secret_file, ("carol", LAB), ("bob",)))  # alice is in no profile now
+        line = proxy.wait_audit(lambda e: e["event"] == "tunnel" and e.get("reason") == "tunnel_revoked", since=mark,
+                                what="alice's tunnel closed tunnel_revoked")
+        assert line["profile"] == "holders" and "matches no client profile" in line["detail"], line
+        origin.reset()
+        try:
+            tunnel.sock.sendall(f"GET /removed/after HTTP/1.1\r\nHost: {A}:{TLS_PORT}\r\n\r\n".encode())
+            got = tunnel.sock.recv(65536)
+        except (OSError, ConnectionError):
+            got = b""
+        assert got == b"" and not origin.seen(A), "a request passed in a revoked tunnel"
+        # carol, still in the profile, keeps her tunnel and the credential.
+        assert key_seen(other, origin, "/carol/after") == (200, SECRET)
+    finally:
+        for t in (tunnel, other):
+            t.sock.close()
