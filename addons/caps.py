@@ -95,6 +95,12 @@ class Caps:
         handle = self._connect_deadlines.pop(data.server.id, None)
         if handle:
             handle.cancel()
+        if data.server.error and mitm_patches.OUT_OF_FILES_DIAL in data.server.error:
+            # No fd for the dial (addons/open_files.py reported it): answered
+            # like a connect timeout, as a refusal the client can act on.
+            self._connect_timeouts[data.client.id] = Refusal(
+                Reason.TOO_MANY_CONNECTIONS, f"{mitm_patches.OUT_OF_FILES_DIAL}; it is overloaded",
+                advice="Retry in a few seconds, with fewer connections open.")
 
     def client_connected(self, client: connection.Client) -> None:
         if self.source.current is not None:

@@ -235,3 +235,11 @@ def _innermost(layer_):
             return layer_
         layer_ = child
     return layer_
+
+
+def destination_named(client: connection.Client) -> bool:
+    """Whether the client's mode layer knows its destination (a SOCKS5
+    handshake's CONNECT request was read)."""
+    handler = _handler(client.id)
+    context = getattr(getattr(handler, "layer", None), "context", None)
+    return context is not None and context.server.address is not None

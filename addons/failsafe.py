@@ -15,6 +15,7 @@ import logging
 from mitmproxy import http
 from mitmproxy.proxy.server_hooks import ServerConnectionHookData
 
+from sluice.addons import open_files
 from sluice.addons.refusals import answer_now, refusal_response
 from sluice.addons.verdict import META, Verdict, verdict_of
 from sluice.policy.decide import Decision
@@ -47,6 +48,14 @@ def _refuse(target, response_started: bool) -> None:
         kill()
 
 
+def _log_failure(addon, hook, error: Exception) -> None:
+    if open_files.is_out_of_files(error):
+        # Out of file descriptors (a DNS socket, say): no bug, the one line.
+        open_files.report(f"running {type(addon).__name__}.{hook.__name__}", error)
+        return
+    logger.error(f"sluice: {type(addon).__name__}.{hook.__name__} failed; refusing", exc_info=error)
+
+
 def fail_closed(*, response_phase: bool = False):
     """Decorate a hook (sync or async) of a deciding addon."""
 
@@ -56,16 +65,16 @@ def fail_closed(*, response_phase: bool = False):
             async def guarded(self, target):
                 try:
                     return await hook(self, target)
-                except Exception:
-                    logger.exception(f"sluice: {type(self).__name__}.{hook.__name__} failed; refusing")
+                except Exception as e:
+                    _log_failure(self, hook, e)
                     _refuse(target, response_phase)
         else:
             @functools.wraps(hook)
             def guarded(self, target):
                 try:
                     return hook(self, target)
-                except Exception:
-                    logger.exception(f"sluice: {type(self).__name__}.{hook.__name__} failed; refusing")
+                except Exception as e:
+                    _log_failure(self, hook, e)
                     _refuse(target, response_phase)
         return guarded
 

@@ -5,7 +5,10 @@
   for the limits and for the refusal: 431 `request_headers_too_large` past
   `limits.max_header_bytes` or `limits.max_header_count`, 408
   `header_timeout` when a head takes longer than `limits.header_timeout` from
-  its first byte (however the client dribbles it). The connection is closed
+  its first byte (however the client dribbles it), and 408 (or, on the
+  SOCKS5 port, a close) when a new connection's first head or SOCKS5
+  handshake is not complete within `limits.header_timeout` of its accept (an
+  idle connection holds a slot no longer than that). The connection is closed
   (here too, not only by mitmproxy: see `refuse_head`) and one audit line
   written. The limits are the policy's top level (read
   live, so a reload applies to the next read): the client's identity is in
@@ -25,6 +28,7 @@ import asyncio
 
 from mitmproxy import connection, http
 from mitmproxy.net.http import http1
+from mitmproxy.proxy import mode_specs
 
 from sluice.addons import connections, mitm_patches
 from sluice.addons.audit import AuditLog, peer
@@ -56,6 +60,8 @@ class HeadLimits:
     def __init__(self, source: PolicySource, audit: AuditLog) -> None:
         self.source = source
         self.audit = audit
+        # client id -> the deadline for its first request head or SOCKS5 handshake
+        self._first_deadlines: dict[str, asyncio.TimerHandle] = {}
 
     def load(self, loader) -> None:
         mitm_patches.set_head_guard(self)
@@ -85,6 +91,40 @@ class HeadLimits:
         if not answered:
             return b""
         return refusal_bytes(refusal)
+
+    def head_complete(self, client: connection.Client) -> None:
+        handle = self._first_deadlines.pop(client.id, None)
+        if handle is not None:
+            handle.cancel()
+
+    # ---- the first request head or SOCKS5 handshake, from accept --------------
+
+    def client_connected(self, client: connection.Client) -> None:
+        if client.error or not isinstance(client.proxy_mode, (mode_specs.RegularMode, mode_specs.Socks5Mode)):
+            return  # refused at accept, or transparent (its destination is known already)
+        limits = self.head_limits()
+        self._first_deadlines[client.id] = asyncio.get_running_loop().call_later(
+            limits.header_timeout, self._first_deadline_expired, client, limits.header_timeout)
+
+    def client_disconnected(self, client: connection.Client) -> None:
+        self.head_complete(client)
+
+    def _first_deadline_expired(self, client: connection.Client, seconds: float) -> None:
+        self._first_deadlines.pop(client.id, None)
+        socks = isinstance(client.proxy_mode, mode_specs.Socks5Mode)
+        if socks and connections.destination_named(client):
+            return  # the handshake named a destination: done
+        if socks:
+            detail = (f"the SOCKS5 handshake did not complete within this proxy's {seconds:g}s of connecting "
+                      "(limits.header_timeout); send the greeting and the CONNECT request at once")
+        else:
+            detail = (f"no request head arrived whole within this proxy's {seconds:g}s of connecting "
+                      "(limits.header_timeout); send the request as soon as the connection opens")
+        refusal = Refusal(Reason.HEADER_TIMEOUT, detail)
+        answered = not socks and connections.write_to_client(client, refusal_bytes(refusal))
+        self.audit.write(event="connection", client=peer(client), decision="refuse", reason=refusal.reason.value,
+                         status=refusal.status if answered else None, detail=refusal.detail)
+        connections.close_client(client)
 
     # ---- Expect: 100-continue ------------------------------------------------
 

@@ -9,15 +9,19 @@ and refused here when a limit says so. Every mode is covered:
 
 - plain HTTP requests (`requestheaders`) and requests inside intercepted
   tunnels: transfer quota, request rate, per-host rate; a connection's first
-  request also counts the connection against `max_connections`;
+  request is refused if its source is over `max_connections` (counted from
+  accept with the top level's or source profile's value; a user profile's
+  own value applies from that first request);
 - CONNECT (`http_connect`): the same, plus `max_tunnels`; the CONNECT gets
   the 429 itself;
 - SOCKS5 and transparent connections (`server_connect`, where the gate
   decided them): the same checks; a SOCKS5 client gets the refusal reply
   (REP 2), a transparent connection is closed;
-- `max_total_connections` is counted as connections are accepted
-  (`client_connected`): over it the connection is closed before a byte is
-  read, with an audit line.
+- `max_total_connections` (unset: derived from the open-files limit,
+  policy.quotas.default_total_connections) and each source's share of it
+  (all but a reserve kept for other sources) are counted as connections are
+  accepted (`client_connected`): over either the connection is closed
+  before a byte is read, with an audit line.
 
 - a WebSocket upgrade (`Upgrade: websocket`) on a plain HTTP connection
   takes a tunnel slot of its own (`max_tunnels`) before it goes upstream,
@@ -55,6 +59,7 @@ share, as docs/policy.md says.
 from __future__ import annotations
 
 import asyncio
+import resource
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -72,6 +77,7 @@ from sluice.addons.policy_source import PolicySource
 from sluice.addons.refusals import noted, refusal_response
 from sluice.addons.verdict import Verdict, verdict_of
 from sluice.policy import quotas
+from sluice.policy.clients import VIA_SOURCE, identify
 from sluice.policy.model import Limits
 from sluice.policy.quotas import Counters, MemoryCounters, source_group
 from sluice.policy.reasons import Reason, Refusal
@@ -107,6 +113,8 @@ class _Conn:
     source: str | None
     total: bool = False  # counted in max_total_connections
     admitted: bool = False  # counted in its source's max_connections
+    shared: bool = False  # counted in its source's share of max_total_connections
+    identified: bool = False  # its first request checked max_connections
     tunnels: list[tuple] = field(default_factory=list)  # tunnel keys held
     connects: dict[str, tuple] = field(default_factory=dict)  # CONNECT (or WebSocket upgrade) flow id -> the tunnel key it took
     servers: list[str] = field(default_factory=list)  # server ids waiting to be metered
@@ -131,14 +139,33 @@ class Quotas:
     def client_connected(self, client: connection.Client) -> None:
         live = self.source.current
         state = self._conns[client.id] = _Conn(_source_group(client, live))
-        limit = live.policy.rules.limits.max_total_connections if live is not None else None
+        limit, derived = _total_limit(live)
         why = quotas.admit_total(self.counters, limit)
         if why is None:
             state.total = True
-            return
+            why = self._accept(client, state, live, limit)
+            if why is None:
+                return
+        elif derived:
+            why += f" (max_total_connections is not set: {limit} is derived from the proxy's open-files limit)"
         self.audit.write(event="connection", client=peer(client), decision="refuse",
                          reason=Reason.TOO_MANY_CONNECTIONS.value, detail=why)
         client.error = f"{Reason.TOO_MANY_CONNECTIONS.value}: {why}"  # mitmproxy closes it before reading
+
+    def _accept(self, client: connection.Client, state: _Conn, live, total: int) -> str | None:
+        """A connection admitted under max_total_connections: it takes a slot
+        of its source's share (closed now if the share is full), and counts
+        against its source's max_connections from now on, with the value of
+        the top level or of the profile its source address matches (a user
+        profile's own value is checked at its first request). One over
+        max_connections stays open only to have its first request refused."""
+        why = quotas.admit_source_share(self.counters, total, state.source)
+        if why is not None:
+            return why
+        state.shared = True
+        if live is not None and quotas.admit_connection(self.counters, _accept_limits(live, client), state.source) is None:
+            state.admitted = True
+        return None
 
     def client_disconnected(self, client: connection.Client) -> None:
         state = self._conns.pop(client.id, None)
@@ -146,6 +173,8 @@ class Quotas:
             return
         if state.total:
             self.counters.release(quotas.TOTAL_KEY)
+        if state.shared:
+            self.counters.release(quotas.source_slots_key(state.source))
         if state.admitted:
             self.counters.release(quotas.connection_key(state.source))
         for key in state.tunnels:
@@ -155,8 +184,11 @@ class Quotas:
 
     def _admit_connection(self, client: connection.Client, limits: Limits) -> Refusal | None:
         state = self._conns.get(client.id)
-        if state is None or state.admitted:
+        if state is None or state.identified:
             return None
+        state.identified = True  # its first request (or dial): checked once
+        if state.admitted:  # counted at accept; a user profile may set a lower max_connections
+            return quotas.over_connections(self.counters, limits, state.source)
         refusal = quotas.admit_connection(self.counters, limits, state.source)
         if refusal is None:
             state.admitted = True
@@ -355,6 +387,19 @@ def _host(verdict: Verdict) -> str:
 
 def _upgrade_tokens(value: str) -> set[str]:
     return {t.strip().lower() for t in value.split(",") if t.strip()}
+
+
+def _total_limit(live) -> tuple[int, bool]:
+    """max_total_connections, or (unset) the one the open-files limit holds; and whether derived."""
+    configured = live.policy.rules.limits.max_total_connections if live is not None else None
+    if configured is not None:
+        return configured, False
+    return quotas.default_total_connections(resource.getrlimit(resource.RLIMIT_NOFILE)[0]), True
+
+
+def _accept_limits(live, client: connection.Client) -> Limits:
+    """The limits known at accept: the profile the source address matches, else the top level."""
+    return identify(live.policy, _source(client), via=VIA_SOURCE).rules.limits
 
 
 def _source_group(client: connection.Client, live) -> str | None:

@@ -255,7 +255,8 @@ def check_request(counters: Counters, limits: Limits, client: tuple, host: str, 
 
 def admit_connection(counters: Counters, limits: Limits, source: str | None) -> Refusal | None:
     """Count a client connection against its source address's
-    `max_connections` (from its first request until it closes)."""
+    `max_connections` (from accept, or from its first request if it was
+    over the limit at accept, until it closes)."""
     if counters.acquire(connection_key(source), limits.max_connections):
         return None
     return Refusal(Reason.TOO_MANY_CONNECTIONS,
@@ -294,3 +295,58 @@ class TransferMeter:
 
     def __call__(self, n: int, now: float) -> int:
         return self.counters.spend(bytes_key(self.client), n, self.limit, HOUR, now)
+
+
+# ---- slots: connections counted from accept (issue 18) ------------------------
+
+# fds the proxy keeps for itself (listeners, audit log, DNS, admin, metrics)
+# when it derives max_total_connections from its open-files limit.
+FD_RESERVE = 64
+# One source may hold every slot but a reserve: max(16, 5%) of
+# max_total_connections (at most half of it), so other sources still connect.
+SOURCE_RESERVE_MIN = 16
+SOURCE_RESERVE_FRACTION = 0.05
+
+
+def default_total_connections(fd_limit: int) -> int:
+    """`max_total_connections` when the policy sets none: what the open-files
+    limit holds at two fds a connection (the client's and one upstream's)."""
+    return max(1, (fd_limit - FD_RESERVE) // 2)
+
+
+def source_reserve(total: int) -> int:
+    return min(max(SOURCE_RESERVE_MIN, math.ceil(total * SOURCE_RESERVE_FRACTION)), total // 2)
+
+
+def source_slots_key(source: str | None) -> tuple:
+    """Every open connection of a source (its `source_group`), admitted or not."""
+    return ("open", source)
+
+
+def admit_source_share(counters: Counters, total: int, source: str | None) -> str | None:
+    """Count a newly accepted connection against its source's share of
+    `max_total_connections` (all of it but `source_reserve`); None if it may
+    stay, else why not."""
+    share = total - source_reserve(total)
+    if counters.acquire(source_slots_key(source), share):
+        return None
+    return (f"{source or 'this address'} already holds {share} of the proxy's {total} client connections "
+            f"(max_total_connections less {total - share} kept for other sources); "
+            "this connection was closed when it was accepted")
+
+
+def over_connections(counters: Counters, limits: Limits, source: str | None) -> Refusal | None:
+    """A connection already counted (at accept) against its source's
+    `max_connections` meets the limit of the profile its first request
+    identified (a user profile may set its own): refused if its source has
+    more open than that."""
+    if limits.max_connections is None or counters.count(connection_key(source)) <= limits.max_connections:
+        return None
+    return _too_many_connections(limits, source)
+
+
+def _too_many_connections(limits: Limits, source: str | None) -> Refusal:
+    return Refusal(Reason.TOO_MANY_CONNECTIONS,
+                   f"{source or 'this address'} already has {limits.max_connections} connections open through the proxy, "
+                   "this policy's max_connections for it",
+                   advice="Reuse an open connection (keep-alive) or close one, then retry.")

@@ -14,7 +14,7 @@ from mitmproxy.addons.termlog import TermLog
 from mitmproxy.master import Master
 from mitmproxy.proxy import mode_specs
 
-from sluice.addons import mitm_patches
+from sluice.addons import mitm_patches, open_files
 from sluice.addons.admin import WORKER_DIR_ENV, AdminServer, Endpoints, admin_problem, parse_admin, same_listener
 from sluice.addons.own_host import OWN_HOST
 from sluice.addons.sluice_addon import make_addons
@@ -113,6 +113,8 @@ async def _serve(policy: str, listen: tuple[str, int], modes: list[str], audit_l
     opts = options.Options(listen_host=listen[0], listen_port=listen[1], confdir=ca)
     mitm_patches.install()
     master = Master(opts, with_termlog=False)
+    # Out of file descriptors: one rate-limited line, not a traceback per accept.
+    master._asyncio_exception_handler = open_files.OutOfFiles(master._asyncio_exception_handler)
     master.addons.add(TermLog(out=sys.stderr), *mitmproxy_addons())
     # A worker's supervisor serves its metrics: they are kept even without --admin.
     metrics = admin is not None or bool(os.environ.get(WORKER_DIR_ENV))
@@ -176,6 +178,7 @@ def run(policy: str, listen: str, modes: list[str], audit_log: str, sets: list[s
         print(f"sluice: cannot prepare the CA directory {directory}: {e.strerror or e}", file=sys.stderr)
         return 2
     logging.getLogger("asyncio").setLevel(logging.WARNING)
+    open_files.raise_limit()  # soft open-files limit up to the hard one (see docs/deploy.md)
     if os.environ.get(REUSE_PORT_ENV) == "1":
         enable_reuse_port()
     return asyncio.run(_serve(policy, address, modes, audit_log, sets, str(directory), admin_address, drain_timeout))

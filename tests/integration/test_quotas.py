@@ -316,7 +316,8 @@ def test_users_sharing_an_address_are_counted_apart(proxy):
 
 def test_max_total_connections_closes_at_accept(sluice_factory):
     proxy = sluice_factory(default_policy(limits={"max_total_connections": 2}), name="quotas-total")
-    held = [KeepAlive(proxy, "127.0.0.1") for _ in range(2)]
+    # From two sources: one source may hold all slots but a reserve (here 1 of 2).
+    held = [KeepAlive(proxy, source) for source in ("127.0.0.1", "127.0.0.10")]
     try:
         assert [k.get(f"/total/{i}").status for i, k in enumerate(held)] == [200, 200]
         mark = proxy.audit_mark()
@@ -379,3 +380,31 @@ def test_transparent_connections_over_the_rate_are_closed(netns, fake_dns, net, 
         finally:
             nft("delete", "table", "inet", "sluice_quota_transparent")
             proc.stop()
+
+
+def test_one_source_holds_max_total_connections_less_a_reserve(sluice_factory):
+    """max_total_connections 40: the reserve is 16 (max(16, 5%)), so one
+    source holds at most 24 and another source still connects."""
+    proxy = sluice_factory(default_policy(limits={"max_total_connections": 40}), name="quotas-share")
+    mark = proxy.audit_mark()
+    held = [KeepAlive(proxy, "127.0.0.11") for _ in range(24)]
+    try:
+        assert held[-1].get("/share/24th").status == 200
+        extra = KeepAlive(proxy, "127.0.0.11")
+        try:
+            extra.sock.sendall(b"GET http://8.8.8.8/share/x HTTP/1.1\r\nHost: 8.8.8.8\r\n\r\n")
+            try:
+                data = extra.sock.recv(100)
+            except ConnectionResetError:
+                data = b""
+            assert data == b""  # closed at accept
+        finally:
+            extra.close()
+        line = proxy.wait_audit(lambda e: e["reason"] == "too_many_connections", since=mark)
+        assert line["event"] == "connection" and "kept for other sources" in line["detail"], line
+        other = KeepAlive(proxy, "127.0.0.12")
+        assert other.get("/share/other").status == 200
+        other.close()
+    finally:
+        for k in held:
+            k.close()

@@ -7,18 +7,34 @@ proxy's file descriptors or its connection slots.
    `limits.max_upstreams_per_connection` the least recently used idle one is
    closed first, so the proxy's fds and the origin's open connections stay
    within 1 + the limit, and the most recent ones are still reused.
+2. Idle connections from one source: connections that never send a byte
+   (or SOCKS5 greetings with no CONNECT) were not counted against
+   `max_connections` and held a `max_total_connections` slot for the whole
+   idle timeout, so one source filled the proxy and every other source was
+   refused at accept. Now they count from accept, a connection's first head
+   or SOCKS5 handshake must complete within `header_timeout` of its accept,
+   and one source may hold all slots but a reserve.
+3. Out of file descriptors: with its open-files limit lowered under a
+   connection flood, the proxy pauses accepting and refuses dials it cannot
+   make, with one line on stderr each (rate-limited), never a traceback, and
+   serves again once the flood is gone.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
+import resource
+import socket
 import threading
+import time
 
 import pytest
 
 from harness import default_policy
 from harness.sluice import free_port
-from relkit import KeepAlive, fd_count, get, quiet_fds, wait_until
+from harness.clients import _Reader, read_response
+from relkit import KeepAlive, fd_count, get, quiet_fds, settle_fds, wait_until
 
 pytestmark = pytest.mark.netns
 
@@ -118,3 +134,177 @@ def test_one_client_connection_holds_at_most_max_upstreams_sockets(sluice_factor
     assert wait_until(lambda: origin.open == 0, 10), origin.open
     lines = [e for e in proxy.audit() if e.get("decision") == "refuse"]
     assert not lines, lines
+
+
+# ------------------------------------------------------------------ idle slots
+
+ABUSER, VICTIM = "127.0.0.70", "127.0.0.71"
+TOTAL = 40  # reserve: min(max(16, 5%), half) = 16, so one source holds at most 24
+SHARE = TOTAL - 16
+HEADER_TIMEOUT = 2.0
+
+
+def _open(address, source: str) -> socket.socket:
+    return socket.create_connection(address, timeout=10, source_address=(source, 0))
+
+
+def _closed_by_proxy(sock: socket.socket, within: float) -> tuple[bool, bytes]:
+    """Whether the proxy closed `sock` within `within` seconds (what it sent first)."""
+    sock.settimeout(within)
+    data = b""
+    try:
+        while True:
+            chunk = sock.recv(4096)
+            if not chunk:
+                return True, data
+            data += chunk
+    except (TimeoutError, socket.timeout):
+        return False, data
+    except ConnectionResetError:
+        return True, data
+
+
+@pytest.fixture(scope="module")
+def slots_proxy(sluice_factory):
+    policy = default_policy(limits={"max_total_connections": TOTAL, "max_connections": 8,
+                                    "header_timeout": f"{HEADER_TIMEOUT:g}s"})
+    return sluice_factory(policy, socks=True, name="slots")
+
+
+def test_idle_connections_from_one_source_leave_slots_for_the_others(slots_proxy, net):
+    proxy = slots_proxy
+    origin = net.origin("8.8.8.8", 80)
+    mark = proxy.audit_mark()
+    idle: list[socket.socket] = []
+    try:
+        for _ in range(TOTAL + 10):
+            idle.append(_open(proxy.address, ABUSER))
+        time.sleep(0.5)  # every one accepted (or closed at accept)
+        # Another source is still served, at once.
+        victim = KeepAlive(proxy.address)
+        victim.sock = _open(proxy.address, VICTIM)
+        victim.reader = _Reader(victim.sock)
+        r = victim.request(get("http://8.8.8.8/victim"))
+        assert r.status == 200, (r.status, r.sluice_reason, r.body[:300])
+        victim.close()
+        # The abuser holds its share and no more: the rest were closed at accept.
+        refused = [e for e in proxy.audit()[mark:] if e["reason"] == "too_many_connections"
+                   and e["client"].startswith(ABUSER + ":")]
+        assert len(refused) == TOTAL + 10 - SHARE, len(refused)
+        assert all(e["event"] == "connection" and "kept for other sources" in e["detail"] for e in refused), refused[:2]
+        # And none is held past header_timeout: each gets 408 and is closed.
+        answers = []
+        for sock in idle[: SHARE]:
+            closed, data = _closed_by_proxy(sock, HEADER_TIMEOUT + 10)
+            assert closed, "an idle connection was still open well past header_timeout"
+            answers.append(data)
+        assert all(a.startswith(b"HTTP/1.1 408 ") or a == b"" for a in answers)
+        assert any(b"header_timeout" in a for a in answers)
+    finally:
+        for sock in idle:
+            sock.close()
+    lines = proxy.wait_audit(lambda e: e["reason"] == "header_timeout" and e["event"] == "connection", since=mark)
+    assert "of connecting" in lines["detail"]
+
+
+def test_idle_connections_count_against_max_connections_from_accept(slots_proxy, net):
+    """max_connections is 8: eight connections that never sent a byte leave
+    no room for a ninth's request (it used to count only connections that
+    had sent one)."""
+    proxy = slots_proxy
+    origin = net.origin("8.8.8.8", 80)
+    source = "127.0.0.72"
+    idle = [_open(proxy.address, source) for _ in range(8)]
+    try:
+        time.sleep(0.3)
+        ninth = KeepAlive(proxy.address)
+        ninth.sock = _open(proxy.address, source)
+        ninth.reader = _Reader(ninth.sock)
+        r = ninth.request(get("http://8.8.8.8/ninth"))
+        assert (r.status, r.sluice_reason) == (429, "too_many_connections"), (r.status, r.sluice_reason)
+        assert "already has 8 connections open" in r.body.decode()
+        ninth.close()
+    finally:
+        for sock in idle:
+            sock.close()
+    assert not [r for r in origin.requests if r.path == "/ninth"]
+    # Once they are gone, the source is served again (bounded wait for the closes).
+    def served() -> bool:
+        c = KeepAlive(proxy.address)
+        c.sock = _open(proxy.address, source)
+        c.reader = _Reader(c.sock)
+        try:
+            return c.request(get("http://8.8.8.8/after-idle", close=True)).status == 200
+        finally:
+            c.close()
+    assert wait_until(served, 10, 0.3)
+
+
+def test_socks5_greeting_without_connect_is_closed_after_header_timeout(slots_proxy):
+    proxy = slots_proxy
+    mark = proxy.audit_mark()
+    sock = socket.create_connection(proxy.socks_address, timeout=10)
+    try:
+        sock.sendall(b"\x05\x01\x00")
+        assert _Reader(sock).exactly(2) == b"\x05\x00"
+        started = time.monotonic()
+        closed, data = _closed_by_proxy(sock, HEADER_TIMEOUT + 10)
+        assert closed and data == b"", (closed, data)
+        assert time.monotonic() - started >= HEADER_TIMEOUT - 0.5
+    finally:
+        sock.close()
+    line = proxy.wait_audit(lambda e: e["reason"] == "header_timeout", since=mark)
+    assert line["event"] == "connection" and "SOCKS5 handshake" in line["detail"], line
+    # A SOCKS5 client that completes its handshake at once is served.
+    from relkit import socks5
+    rep, tunnel = socks5(proxy.socks_address, "8.8.8.8", 80)
+    assert rep == 0, rep
+    tunnel.sendall(b"GET /socks-ok HTTP/1.1\r\nHost: 8.8.8.8\r\nConnection: close\r\n\r\n")
+    assert read_response(_Reader(tunnel)).status == 200
+    tunnel.close()
+
+
+# ------------------------------------------------------------------ out of fds
+
+
+def test_out_of_file_descriptors_is_one_line_not_a_traceback(sluice_factory, net):
+    """max_total_connections set far over what the lowered limit holds, so
+    the flood really takes every fd (unset, the limit derived from the fd
+    limit would close the flood at accept)."""
+    proxy = sluice_factory(default_policy(limits={"max_total_connections": 1000}), name="emfile")
+    pid = proxy.proc.pid
+    base = quiet_fds(pid)
+    # A keep-alive client accepted before the flood, to ask for a dial after it.
+    early = KeepAlive(proxy.address)
+    assert early.request(get("http://8.8.8.8/before")).status == 200
+    early.request(get("http://1.1.1.1/before"))  # its upstreams now take fds too
+    # The limit is on fd numbers: room for about 12 more above the highest.
+    limit = max(int(fd) for fd in os.listdir(f"/proc/{pid}/fd")) + 1 + 12
+    soft, hard = resource.prlimit(pid, resource.RLIMIT_NOFILE)
+    resource.prlimit(pid, resource.RLIMIT_NOFILE, (limit, hard))  # the soft one: it can be raised back
+    mark = proxy.stderr_mark()
+    flood: list[socket.socket] = []
+    try:
+        for _ in range(60):
+            try:
+                flood.append(socket.create_connection(proxy.address, timeout=5))
+            except OSError:
+                break
+        assert wait_until(lambda: "out of file descriptors" in proxy.stderr_since(mark), 10), proxy.stderr_since(mark)
+        time.sleep(2.5)  # several accept pauses
+        # A dial the proxy has no fd for is a refusal, not a crash.
+        r = early.request(get("http://[2606:4700:4700::1111]/during"))
+        assert (r.status, r.sluice_reason) == (429, "too_many_connections"), (r.status, r.sluice_reason, r.body[:300])
+        assert b"out of file descriptors" in r.body
+    finally:
+        for s in flood:
+            s.close()
+        early.close()
+    resource.prlimit(pid, resource.RLIMIT_NOFILE, (soft, hard))
+    settle_fds(pid, base + 10, 20)
+    text = proxy.stderr_since(mark)
+    assert "Traceback" not in text, text[-4000:]
+    emfile_lines = [l for l in text.splitlines() if "open files" in l or "file descriptors" in l]
+    assert 1 <= len(emfile_lines) <= 4, text[-4000:]
+    # It serves again.
+    assert KeepAlive(proxy.address).request(get("http://8.8.8.8/after", close=True)).status == 200
