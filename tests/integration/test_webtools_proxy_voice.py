@@ -164,7 +164,8 @@ def test_an_origin_cannot_refuse_in_the_proxys_voice(env, origin, canaries, base
 
 @pytest.mark.parametrize("base", [HTTP_BASE, MITM_BASE], ids=["http", "intercepted"])
 def test_the_proxy_strips_its_own_headers_from_origin_responses(proxy, origin, sluice_ca, base):
-    with httpx.Client(proxy=proxy.proxy_url, verify=sluice_ca, trust_env=False, timeout=15) as c:
+    verify = ssl.create_default_context(cafile=sluice_ca)
+    with httpx.Client(proxy=proxy.proxy_url, verify=verify, trust_env=False, timeout=15) as c:
         ok = c.get(f"{base}/forged-ok")
         assert ok.status_code == 200 and ok.text == "an ordinary page"
         assert "sluice-reason" not in ok.headers and "proxy-status" not in ok.headers, ok.headers
