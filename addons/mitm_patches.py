@@ -53,10 +53,11 @@ Patches:
   offering username/password is asked for it, so it can be identified (see
   its section).
 - `h2_stream_buffer_cap` bounds what an HTTP/2 client that does not read
-  makes the proxy hold: past `limits.h2_stream_buffer_bytes` buffered for a
-  stream, that stream's origin connection is not read until the client has
-  taken half of it; and the client is offered `limits.h2_max_concurrent_streams`
-  (see its section).
+  makes the proxy hold, about `limits.h2_stream_buffer_bytes` a stream: an
+  HTTP/2 origin is held back by flow control on that stream alone, an
+  HTTP/1 origin's connection is not read; past twice that the stream is
+  reset. The client is offered `limits.h2_max_concurrent_streams` (see its
+  section).
 
 These limits are global (the policy's top level): the client's identity is
 in the very head being read. The head patches act only once a guard is set
@@ -448,6 +449,7 @@ class OutOfFilesDial(OSError):
 
 
 OUT_OF_FILES_DIAL = "the proxy is out of file descriptors and could not open a connection to the origin"
+UPSTREAMS_BUSY = "every upstream connection this client connection may hold is busy"
 
 
 DialCheck = Callable[[connection.Client, str, int], bool]
@@ -456,9 +458,23 @@ _dial_check: DialCheck | None = None
 _dialling_for: contextvars.ContextVar[connection.Client | None] = contextvars.ContextVar("sluice_dialling_for", default=None)
 
 
+# The server connection being dialled (set for that task only), and who is
+# told of each dial the check let through, right before its socket exists
+# (addons/upstreams.py: it may close an idle one first, or refuse with a
+# sentence containing UPSTREAMS_BUSY).
+_dialling_server: contextvars.ContextVar[connection.Server | None] = contextvars.ContextVar("sluice_dialling_server", default=None)
+DialListener = Callable[[connection.Client, connection.Server], "str | None"]
+_dial_listener: DialListener | None = None
+
+
 def set_dial_check(check: DialCheck | None) -> None:
     global _dial_check
     _dial_check = check
+
+
+def set_dial_listener(listener: DialListener | None) -> None:
+    global _dial_listener
+    _dial_listener = listener
 
 
 def _patch_dial_check() -> None:
@@ -466,9 +482,11 @@ def _patch_dial_check() -> None:
         @functools.wraps(original)
         async def open_connection(self, command):
             token = _dialling_for.set(self.client)
+            server_token = _dialling_server.set(command.connection)
             try:
                 return await original(self, command)
             finally:
+                _dialling_server.reset(server_token)
                 _dialling_for.reset(token)
         return open_connection
 
@@ -482,6 +500,11 @@ def _patch_dial_check() -> None:
         client = _dialling_for.get()
         if client is not None and (_dial_check is None or not _dial_check(client, host, port)):
             raise DialRefused(f"pin_mismatch: Sluice refused to dial {host}:{port}, which was not approved for this client connection")
+        listener, dialled = _dial_listener, _dialling_server.get()
+        if client is not None and listener is not None and dialled is not None:
+            why = listener(client, dialled)
+            if why:
+                raise DialRefused(why)
         try:
             return await original_connect(host, port, *args, **kwargs)
         except OSError as e:
