@@ -346,3 +346,21 @@ def test_a_store_made_before_hidden_chars_gains_the_column(tmp_path):
     store = SourceStore(str(path))
     assert store.get("o", "src_old")["hidden_chars"] == 0
     assert store.get("o", store.put("o", _source(hidden_chars=7)))["hidden_chars"] == 7
+
+
+def test_many_code_blocks_and_deep_lists_are_linear():
+    from sluice.webtools import _extract
+
+    # putting 30,000 code blocks back was a replace each over the whole markdown: 6 s
+    blocks = {f"SLUICECODE{'ab' * 6}X{i}": f"```\ncode {i}\n```" for i in range(30_000)}
+    md = "".join(f"{key}\n\nbetween, words.\n\n" for key in blocks)
+    out, seconds = cpu(lambda: _extract._unfence(md, blocks))
+    assert seconds < CPU_SECONDS, seconds
+    assert out.count("```\ncode ") == 30_000 and "SLUICECODE" not in out and "```\ncode 29999\n```" in out
+    many_pre = b"<body>" + b"<pre>code ` ``</pre><p>between, words.</p>" * 5_000 + b"</body>"
+    c = html_to_markdown(many_pre, BASE)
+    assert c.markdown.count("```\ncode ` ``\n```") == 5_000 and "SLUICECODE" not in c.markdown
+    deep = b"<ul><li>a" * 5000 + b"</ul>" * 5000  # the extractor's fallback costs each element its depth
+    c, seconds = cpu(lambda: html_to_markdown(deep, BASE))
+    assert seconds < CPU_SECONDS, seconds
+    assert len(c.markdown) <= 2 * len(deep) and "a" in c.markdown
