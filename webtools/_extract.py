@@ -4,9 +4,12 @@ Chosen by measurement (bench/extraction.py, README "Web tools: extraction
 quality and speed"). The steps:
 
 1. parse with libxml2's HTML parser (comments and processing instructions
-   dropped, no network, nesting limit lifted; every pass below is iterative);
-2. drop what is never content (scripts, styles, templates, form controls,
-   frames, SVG, hidden elements), then page chrome by structure only (nav,
+   dropped, no network, nesting limit lifted; every pass below is iterative;
+   a tag keeps at most _MAX_ATTRIBUTES attributes, as libxml2's duplicate
+   check is quadratic);
+2. drop text a reader cannot see (webtools._hidden, counted), what is never
+   content (scripts, styles, templates, form controls, frames, SVG), then
+   page chrome by structure only (nav,
    aside, footer, page-level header, navigation/banner/... roles) and consent
    banners; resolve links against the page; carry <pre> blocks out as
    placeholders (fenced by us, blank lines and language kept);
@@ -14,8 +17,13 @@ quality and speed"). The steps:
 4. when it finds next to nothing, Sluice's own reducer runs on a fresh parse:
    full chrome removal by class/id, readability-style block scoring with a
    link-density discount, sibling gathering, link-list pruning, html2text;
-5. a page with more than _EXTRACT_MAX_CHARS of text skips extraction (it is
-   mostly content, and extraction would cost several times html2text).
+5. a page with more than _EXTRACT_MAX_CHARS of text, or more elements (or
+   total depth) than trafilatura handles in linear time, skips extraction (it
+   is mostly content, and extraction would cost several times html2text).
+
+Links are resolved by Sluice only (_resolve_links), within bounds: a target
+or <base href> over MAX_URL_CHARS is dropped, and resolution adds at most the
+page's own length; the markdown is then cut at the caller's bound.
 """
 
 from __future__ import annotations

@@ -13,7 +13,15 @@ can), and their work is bounded: one lxml parse and a few linear passes over
 the tree before the extractor sees a fraction of it, which is why the pipeline
 is faster than html2text alone on a boilerplate-heavy page (see README,
 "Web tools: extraction quality and speed"). Callers cap the input's size
-(fetch reads at most 2 MiB).
+(fetch reads at most 2 MiB). Output is bounded as it is produced: markdown at
+most twice the input and at most `max_chars` (`Converted.cut`), link targets
+and `<base href>` over 2,048 characters dropped, the title at 4,096
+characters; visible text is never longer than the input. Inputs that made
+libxml2, the fence or a codec superlinear are capped (webtools._extract).
+
+Text a reader cannot see (webtools._hidden: hidden attributes, and hiding
+styles in `style` attributes and the page's own `<style>` elements; external
+stylesheets are not fetched) is dropped by both and counted in `hidden_chars`.
 
 Decoding (webtools.charsets, the WHATWG Encoding Standard's labels): a byte
 order mark wins, as in browsers; else the charset the caller gives (from
