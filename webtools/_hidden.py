@@ -13,7 +13,8 @@ counted as one). Hidden means:
   or a non-zero absolute `font-size` is seen again, as in a browser);
 
 set in a `style` attribute or in the page's own `<style>` elements (and in
-their `@media all`/`@media screen` blocks). Stylesheet selectors are the
+their `@media all`/`@media screen` blocks). The `<body>` itself is not judged:
+a page hidden whole until a script shows it (anti-flicker) is not hidden text. Stylesheet selectors are the
 simple ones: type, `*`, class, id, attribute (`[a]`, `=`, `~=`, `|=`, `^=`,
 `$=`, `*=`), compound, descendant and child; a selector with anything else
 (pseudo-classes, `+`, `~`) is ignored. Later rules win, `!important` over
@@ -351,7 +352,8 @@ def find_hidden(body) -> tuple[list, list]:
         if exhausted:
             gone.append(el)
             continue
-        if el.get("hidden") is not None or (el.get("aria-hidden") or "").strip().lower() == "true":
+        if el is not body and (el.get("hidden") is not None
+                               or (el.get("aria-hidden") or "").strip().lower() == "true"):
             gone.append(el)
             continue
         tag = tag.lower()
@@ -394,7 +396,9 @@ def find_hidden(body) -> tuple[list, list]:
         style = el.get("style")
         if style:
             decls.extend((inline_rank, d) for d in _inline(style))
-        effects = _cascade(decls) if decls else {}
+        # A hidden <body> is the anti-flicker pattern (hidden until a script
+        # shows the page): the whole page, not text hidden inside it.
+        effects = _cascade(decls) if decls and el is not body else {}
         if effects.get("display") is True or effects.get("opacity") is True \
                 or effects.get("left") is True or effects.get("top") is True:
             gone.append(el)

@@ -364,3 +364,13 @@ def test_many_code_blocks_and_deep_lists_are_linear():
     c, seconds = cpu(lambda: html_to_markdown(deep, BASE))
     assert seconds < CPU_SECONDS, seconds
     assert len(c.markdown) <= 2 * len(deep) and "a" in c.markdown
+
+
+def test_a_body_hidden_until_a_script_shows_it_is_kept():
+    for html in ("<html><head><style>body{opacity:0}</style></head><body><p>the page</p></body></html>",
+                 "<html><body style='visibility:hidden'><p>the page</p></body></html>",
+                 "<html><head><style>.async-hide{display:none}</style></head><body class=async-hide>"
+                 "<p>the page</p><p class=async-hide>SECRET</p></body></html>"):
+        v = page_text(html)
+        assert v.text == "the page", html
+        assert "the page" in html_to_markdown(html).markdown
