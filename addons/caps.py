@@ -101,6 +101,11 @@ class Caps:
             self._connect_timeouts[data.client.id] = Refusal(
                 Reason.TOO_MANY_CONNECTIONS, f"{mitm_patches.OUT_OF_FILES_DIAL}; it is overloaded",
                 advice="Retry in a few seconds, with fewer connections open.")
+        elif data.server.error and mitm_patches.UPSTREAMS_BUSY in data.server.error:
+            # addons/upstreams.py: every upstream this client connection may hold is in use.
+            self._connect_timeouts[data.client.id] = Refusal(
+                Reason.TOO_MANY_CONNECTIONS, data.server.error.split("] ", 1)[-1],
+                advice="Finish an exchange (or use another client connection), then retry.")
 
     def client_connected(self, client: connection.Client) -> None:
         if self.source.current is not None:

@@ -305,7 +305,8 @@ class EgressGate:
         keep = rules.limits.max_upstreams_per_connection + 1
         if len(approved) > keep:
             pinned = self._tunnel_addresses(client)
-            for old in [k for k in approved if k not in pinned][: len(approved) - keep]:
+            droppable = [k for k in approved if k not in pinned]
+            for old in droppable[: len(droppable) - keep]:
                 del approved[old]
 
     def _tunnel_addresses(self, client: connection.Client) -> set[tuple[str, int]]:

@@ -9,11 +9,14 @@ past the limit, the least recently used *idle* one (HTTP/1 keep-alive between
 exchanges: addons/connections.idle_http1_servers) is closed. So one client
 connection costs at most 1 + max_upstreams_per_connection file descriptors.
 Tunnels, pipes and exchanges in flight are never closed; if every one is
-busy, the dial is refused (`too_many_connections`). The gate's approval
-table for the connection is bounded by the same limit (addons/gate.py).
+busy, the dial is refused (429 `too_many_connections`, answered by
+addons/caps.py). The gate's approval table for the connection is bounded by
+the same limit (addons/gate.py).
 
-Runs after the gate and the quotas (addons/sluice_addon.py), so a dial they
-refused never costs another connection its socket.
+It acts at the dial itself (addons/mitm_patches.py `dial_check` tells it,
+after the gate approved the address and after mitmproxy waited for its
+per-address slot): a dial that waits, or that the gate or the quotas
+refused, never costs another connection its socket.
 """
 
 from __future__ import annotations
@@ -23,49 +26,48 @@ from collections import OrderedDict
 from mitmproxy import connection, http
 from mitmproxy.proxy.server_hooks import ServerConnectionHookData
 
-from sluice.addons import connections
-from sluice.addons.audit import AuditLog, peer
-from sluice.addons.failsafe import fail_closed
+from sluice.addons import connections, mitm_patches
+from sluice.addons.audit import AuditLog
 from sluice.addons.gate import EgressGate
-from sluice.policy.reasons import Reason
 
 
 class Upstreams:
     def __init__(self, gate: EgressGate, audit: AuditLog) -> None:
         self.gate = gate
         self.audit = audit
-        # client id -> server id -> server, least recently used first
+        # client id -> server id -> server, least recently used first: the
+        # upstream sockets the client connection holds (from their dial)
         self._open: dict[str, OrderedDict[str, connection.Server]] = {}
+
+    def load(self, loader) -> None:
+        mitm_patches.set_dial_listener(self.before_dial)
+
+    def done(self) -> None:
+        mitm_patches.set_dial_listener(None)
 
     def open_count(self, client: connection.Client) -> int:
         return len(self._open.get(client.id, ()))
 
-    @fail_closed()
-    def server_connect(self, data: ServerConnectionHookData) -> None:
-        server = data.server
-        if server.error or server.address is None:
-            return
-        rules = self.gate.rules_for_dial(data.client, server)
+    def before_dial(self, client: connection.Client, server: connection.Server) -> str | None:
+        """Right before a dial's socket exists (after mitmproxy's own wait for
+        a per-address slot): make room under the limit, or say why not."""
+        rules = self.gate.rules_for_dial(client, server)
         limit = rules.limits.max_upstreams_per_connection if rules is not None else None
-        held = self._open.setdefault(data.client.id, OrderedDict())
+        held = self._open.setdefault(client.id, OrderedDict())
         if limit is not None and len(held) >= limit:
-            tunnels = self.gate.tunnel_server_ids(data.client)
-            idle = connections.idle_http1_servers(data.client)
+            tunnels = self.gate.tunnel_server_ids(client)
+            idle = connections.idle_http1_servers(client)
             for server_id, old in list(held.items()):
                 if len(held) < limit:
                     break
                 if server_id in idle and server_id not in tunnels:
                     del held[server_id]
-                    connections.close_server(data.client, old)
+                    connections.close_server(client, old)
             if len(held) >= limit:
-                detail = (f"this client connection already holds {len(held)} upstream connections, all busy, "
-                          f"this policy's limits.max_upstreams_per_connection; finish one or open another client connection")
-                server.error = f"{Reason.TOO_MANY_CONNECTIONS.value}: {detail}"
-                host, port = server.address
-                self.audit.write(event="connect", client=peer(data.client), host=str(host), port=port, decision="refuse",
-                                 reason=Reason.TOO_MANY_CONNECTIONS.value, detail=detail)
-                return
+                return (f"{mitm_patches.UPSTREAMS_BUSY}: it holds {len(held)} upstream connections, "
+                        "this policy's limits.max_upstreams_per_connection, all in use")
         held[server.id] = server
+        return None
 
     def server_connected(self, data: ServerConnectionHookData) -> None:
         self._used(data.client, data.server)

@@ -308,3 +308,4 @@ def test_out_of_file_descriptors_is_one_line_not_a_traceback(sluice_factory, net
     assert 1 <= len(emfile_lines) <= 4, text[-4000:]
     # It serves again.
     assert KeepAlive(proxy.address).request(get("http://8.8.8.8/after", close=True)).status == 200
+
