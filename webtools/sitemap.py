@@ -107,7 +107,7 @@ class _Parse:
     def text(self, data):
         if self.field is None:
             return
-        if not self.buf:
+        if not self.buf_len:
             data = data.lstrip()
         room = MAX_LOC + 256 - self.buf_len  # kept: enough to tell an over-long value, whatever trails it
         if room > 0:

@@ -91,6 +91,8 @@ def test_sitemap_locs_checked_and_counted_and_the_result_bounded():
            b"<url><loc>\n  https://a.example/ok  \n</loc><lastmod>" + b"9" * 100 + b"</lastmod></url></urlset>")
     assert parse_sitemap(doc) == {"kind": "sitemap", "complete": True, "total": 1, "dropped": 6,
                                   "urls": [{"loc": "https://a.example/ok"}]}
+    padded = b"<urlset><url><loc>" + b" \n" * 50_000 + b"https://a.example/p" + b" " * 100 + b"</loc></url></urlset>"
+    assert parse_sitemap(padded)["urls"] == [{"loc": "https://a.example/p"}]  # indentation is not length
     many = b"<urlset>" + b"".join(b"<url><loc>https://a.example/%d%s</loc></url>" % (i, b"x" * 1000)
                                   for i in range(300)) + b"</urlset>"
     r = parse_sitemap(many)  # 300 entries, far under the entry cap, but over 200,000 characters
