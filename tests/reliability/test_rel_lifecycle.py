@@ -34,7 +34,7 @@ import pytest
 import yaml
 
 from harness import SluiceProcess, absolute_form, connect, default_policy, free_port
-from harness.clients import Tunnel, _Reader, read_response
+from harness.clients import Tunnel, _Reader, read_response, socks5_connect
 from harness.vhosts import A, PLAIN_PORT, TLS_PORT, start_vhost_origin
 from sluice.policy.loader import hash_password
 from relkit import wait_until
@@ -161,7 +161,7 @@ def test_the_hosts_own_addresses_are_proxy_loop_on_every_port(net, fake_dns, slu
     while admin == port:
         admin = free_port("0.0.0.0")
     policy = default_policy(ports=[80, 443, port, admin], private_networks=["8.8.8.8/32:80"])
-    proxy = WildcardSluice(tmp_path, policy, name="ownhost", home=sluice_home, port=port, admin_port=admin)
+    proxy = WildcardSluice(tmp_path, policy, name="ownhost", home=sluice_home, port=port, admin_port=admin, socks=True)
     proxy.port = port
     proxy.start()
     try:
@@ -178,6 +178,11 @@ def test_the_hosts_own_addresses_are_proxy_loop_on_every_port(net, fake_dns, slu
         response, tunnel = connect(proxy.address, f"8.8.8.8:{admin}")
         assert tunnel is None and (response.status, response.sluice_reason) == (403, "proxy_loop"), response
         assert proxy.wait_audit(lambda e: e.get("reason") == "proxy_loop", since=mark)["event"] == "connect"
+        # SOCKS5: refused in its handshake ("not allowed by ruleset"), with its line.
+        mark = proxy.audit_mark()
+        assert socks5_connect(proxy.socks_address, "1.1.1.1", 80, atyp="ip").reply == 2
+        line = proxy.wait_audit(lambda e: e.get("reason") == "proxy_loop", since=mark)
+        assert (line["decision"], line["host"], line["port"]) == ("refuse", "1.1.1.1", 80), line
         assert net.origin("1.1.1.1", 80).connections == 0 and net.origin("8.8.8.8", 443).connections == 0
         # private_networks naming the address with this very port opens it (and only it).
         ok = absolute_form(proxy.address, "http://8.8.8.8/opened")
@@ -329,3 +334,25 @@ def test_a_reload_that_removes_an_open_tunnels_user_closes_it_revoked(reidentify
     finally:
         for t in (tunnel, other):
             t.sock.close()
+
+
+def test_a_reload_that_removes_a_websocket_pipes_user_closes_the_pipe(reidentify, origin):
+    """Pipes are re-identified like tunnels (addons/upgrades.py)."""
+    proxy, secret_file, _ca = reidentify
+    reload_to(proxy, identity_policy(secret_file, ("alice", "carol", LAB), ("bob",)))
+    # bob (profile plain: no credential, so plain ws:// may pass) opens a pipe.
+    token = base64.b64encode(f"bob:{PASSWORDS['bob']}".encode())
+    s = socket.create_connection(proxy.address, timeout=10)
+    try:
+        s.sendall(WS_HEAD.replace(b"\r\n\r\n", b"\r\nProxy-Authorization: Basic " + token + b"\r\n\r\n"))
+        assert _read_head(s).startswith(b"HTTP/1.1 101")
+        assert echo(s, b"ping") == b"ping"
+        mark = proxy.audit_mark()
+        reload_to(proxy, identity_policy(secret_file, ("alice", LAB), ("carol",)))  # bob is in no profile now
+        line = proxy.wait_audit(lambda e: e["event"] == "tunnel" and e.get("reason") == "tunnel_revoked"
+                                and e.get("port") == PLAIN_PORT, since=mark, what="the pipe closed tunnel_revoked")
+        assert line["user"] == "bob" and line["bytes_out"] == 4, line
+        s.settimeout(5)
+        assert echo(s, b"more") == b"", "the pipe outlived the reload"
+    finally:
+        s.close()
