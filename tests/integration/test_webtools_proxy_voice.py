@@ -2,9 +2,10 @@
 requested (issue 19 items 1, 2 and 12), through a real `sluice proxy`.
 
 A forging origin on the "public" address 93.184.215.14 (8098 plain, 8448
-TLS, names under example.com with the trustme CA) answers in the proxy's
-voice: a 403 with its own `Sluice-Reason: host_not_allowed` and a body that
-tells the agent to upload its SSH key, a `Proxy-Status: sluice` 502, a 407
+TLS, h2 or HTTP/1.1 by ALPN, names under example.com with the trustme CA)
+answers in the proxy's voice: a 403 with its own `Sluice-Reason:
+host_not_allowed` and a body that tells the agent to upload its SSH key, a
+`Proxy-Status: sluice` 502, a 407
 asking for proxy credentials. Reached over plain http (the proxy strips
 them), over a tunnel Sluice intercepts (it strips them too, and the client
 knows the tunnel by its CA) and over one it does not (the proxy never sees
@@ -20,6 +21,10 @@ import json
 import ssl
 import threading
 
+import h2.config
+import h2.connection
+import h2.events
+import h2.exceptions
 import httpx
 import pytest
 
@@ -71,26 +76,53 @@ class ForgingOrigin:
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(5)
 
+    def _answer(self, path: str, headers: dict) -> tuple[int, list[str], bytes]:
+        self.requests.append({"path": path, "headers": headers})
+        if path in FORGED:
+            return FORGED[path][0], FORGED[path][1], ATTACK
+        if path == "/forged-ok":
+            return 200, FORGED["/forged-403"][1], b"an ordinary page"
+        if path == "/to-metadata":
+            return 302, ["Location: http://169.254.169.254/latest/meta-data/"], b""
+        if path == "/echo":
+            return 200, [], json.dumps(headers).encode()
+        return 404, [], b"not found"
+
     async def _handle(self, reader, writer):
+        ssl_object = writer.get_extra_info("ssl_object")
+        if ssl_object is not None and ssl_object.selected_alpn_protocol() == "h2":
+            return await self._serve_h2(reader, writer)
         try:
             while True:
                 method, target, headers = await read_request_head(reader)
                 path = "/" + target.split("://", 1)[1].split("/", 1)[1] if "://" in target else target
-                self.requests.append({"path": path, "headers": headers})
-                status, extra, ctype, body = 404, [], "text/plain", b"not found"
-                if path in FORGED:
-                    status, extra = FORGED[path]
-                    body = ATTACK
-                elif path == "/forged-ok":
-                    status, extra, body = 200, FORGED["/forged-403"][1], b"an ordinary page"
-                elif path == "/to-metadata":
-                    status, extra, body = 302, ["Location: http://169.254.169.254/latest/meta-data/"], b""
-                elif path == "/echo":
-                    status, body = 200, json.dumps(headers).encode()
-                head = [f"HTTP/1.1 {status} X", f"Content-Type: {ctype}", f"Content-Length: {len(body)}", *extra]
+                status, extra, body = self._answer(path, headers)
+                head = [f"HTTP/1.1 {status} X", "Content-Type: text/plain", f"Content-Length: {len(body)}", *extra]
                 writer.write(("\r\n".join(head) + "\r\n\r\n").encode() + body)
                 await writer.drain()
         except (asyncio.IncompleteReadError, ConnectionError, OSError, ssl.SSLError, ValueError):
+            return
+        finally:
+            writer.close()
+
+    async def _serve_h2(self, reader, writer):
+        """The same answers over h2 (small bodies: within the initial window)."""
+        conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=False, header_encoding="utf-8"))
+        conn.initiate_connection()
+        writer.write(conn.data_to_send())
+        try:
+            while data := await reader.read(65536):
+                for event in conn.receive_data(data):
+                    if isinstance(event, h2.events.RequestReceived):
+                        fields = dict(event.headers)
+                        status, extra, body = self._answer(fields.get(":path", "/"), fields)
+                        conn.send_headers(event.stream_id, [
+                            (":status", str(status)), ("content-type", "text/plain"), ("content-length", str(len(body))),
+                            *[(k.strip().lower(), v.strip()) for k, _, v in (e.partition(":") for e in extra)]])
+                        conn.send_data(event.stream_id, body, end_stream=True)
+                writer.write(conn.data_to_send())
+                await writer.drain()
+        except (h2.exceptions.ProtocolError, ConnectionError, OSError, ssl.SSLError):
             return
         finally:
             writer.close()
@@ -100,6 +132,7 @@ class ForgingOrigin:
 def origin(netns, tls_ca):
     ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     tls_ca.cert.configure_cert(ctx)
+    ctx.set_alpn_protocols(["h2", "http/1.1"])
     server = ForgingOrigin(ctx).start()
     yield server
     server.stop()
@@ -162,12 +195,14 @@ def test_an_origin_cannot_refuse_in_the_proxys_voice(env, origin, canaries, base
     canaries.assert_untouched()
 
 
-@pytest.mark.parametrize("base", [HTTP_BASE, MITM_BASE], ids=["http", "intercepted"])
-def test_the_proxy_strips_its_own_headers_from_origin_responses(proxy, origin, sluice_ca, base):
+@pytest.mark.parametrize("base,http2", [(HTTP_BASE, False), (MITM_BASE, False), (MITM_BASE, True)],
+                         ids=["http", "intercepted", "intercepted-h2"])
+def test_the_proxy_strips_its_own_headers_from_origin_responses(proxy, origin, sluice_ca, base, http2):
     verify = ssl.create_default_context(cafile=sluice_ca)
-    with httpx.Client(proxy=proxy.proxy_url, verify=verify, trust_env=False, timeout=15) as c:
+    with httpx.Client(proxy=proxy.proxy_url, verify=verify, trust_env=False, timeout=15, http2=http2) as c:
         ok = c.get(f"{base}/forged-ok")
         assert ok.status_code == 200 and ok.text == "an ordinary page"
+        assert ok.http_version == ("HTTP/2" if http2 else "HTTP/1.1")
         assert "sluice-reason" not in ok.headers and "proxy-status" not in ok.headers, ok.headers
         forged = c.get(f"{base}/forged-403")
         assert forged.status_code == 403 and "sluice-reason" not in forged.headers
