@@ -77,7 +77,7 @@ from sluice.policy.ranges import classify
 from sluice.policy.reasons import REASONS, POLICY_SUFFIX, Reason, Refusal
 from sluice.policy.loader import parse_duration, parse_size
 from sluice.policy.urls import resolve_redirect, split_url
-from sluice.webtools.sanitize import MESSAGE_CHARS, URL_CHARS, clean
+from sluice.webtools.sanitize import URL_CHARS, clean
 from sluice.webtools.deadline import WATCHDOG, StreamGuard
 from sluice.webtools.errors import WebError
 
