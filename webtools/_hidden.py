@@ -21,19 +21,22 @@ simple ones: type, `*`, class, id, attribute (`[a]`, `=`, `~=`, `|=`, `^=`,
 normal, a `style` attribute over the stylesheets (specificity is not
 weighed). External stylesheets are not fetched, so what they hide is kept.
 
-Bounded: at most _MAX_CSS_CHARS of stylesheet text and _MAX_SELECTORS
-selectors are read, and selector matching is one top-down pass (matches of a
-selector's leading parts are carried down as counts, never searched for up
-the tree), charged against _MATCH_BUDGET; a page that exhausts the budget has
-the rest of its elements treated as hidden (fail closed), not shown.
+Bounded, and closed when a bound is hit: stylesheets over _MAX_CSS_CHARS or
+with more than _MAX_SELECTORS hiding selectors are not read at all and the
+page's whole body counts as hidden; selector matching is one top-down pass
+(matches of a selector's leading parts are carried down as counts, never
+searched for up the tree) charged against _MATCH_BUDGET, and a page that
+exhausts the budget has the rest of its elements treated as hidden. Padding a
+stylesheet, then, can hide a page's text from the model, never show hidden
+text to it.
 """
 
 from __future__ import annotations
 
 import re
 
-_MAX_CSS_CHARS = 1_000_000
-_MAX_SELECTORS = 5_000
+_MAX_CSS_CHARS = 4 * 1024 * 1024  # twice the default text cap: a page's own stylesheets fit
+_MAX_SELECTORS = 20_000  # selectors that set a visibility property (only those are kept; ~0.6 s to read)
 _MAX_COMPOUNDS = 8  # a longer selector is matched on its last 8 parts (a superset of what it matches)
 _MATCH_BUDGET = 400_000  # candidate checks: ~0.5 s; a real page needs a few 10,000s
 _OFFSCREEN_PX = -1000.0
@@ -123,7 +126,7 @@ _SIMPLE = re.compile(
 
 
 class _Compound:
-    __slots__ = ("tag", "id", "classes", "attrs", "key")
+    __slots__ = ("tag", "id", "classes", "attrs", "key", "cost")
 
     def __init__(self):
         self.tag = None
@@ -131,6 +134,7 @@ class _Compound:
         self.classes: list[str] = []
         self.attrs: list[tuple[str, str | None, str]] = []
         self.key = "*"
+        self.cost = 1  # what matching it once is charged against the budget
 
     def matches(self, el, classes: set) -> bool:
         if self.tag is not None and el.tag != self.tag:
@@ -201,7 +205,9 @@ def _selector(text: str) -> tuple[list[_Compound], list[str]] | None:
     if len(compounds) > _MAX_COMPOUNDS:
         compounds, combs = compounds[-_MAX_COMPOUNDS:], combs[-(_MAX_COMPOUNDS - 1):]
     for c in compounds:
+        c.classes = list(dict.fromkeys(c.classes))  # .x.x is .x
         c.key = ("#" + c.id) if c.id is not None else ("." + c.classes[0]) if c.classes else (c.tag or "*")
+        c.cost = 1 + len(c.classes) + len(c.attrs)
     return compounds, combs
 
 
@@ -244,6 +250,7 @@ class _Sheet:
 
     def __init__(self, css: str):
         self.rules: list[tuple[list[_Compound], list[str], list]] = []
+        self.overflow = False  # more hiding selectors than _MAX_SELECTORS: not judged, so closed
         # Comments out; HTML comment markers (CDO/CDC) are whitespace to CSS.
         css = _strip_comments(css[:_MAX_CSS_CHARS]).replace("<!--", " ").replace("-->", " ")
         closes: dict[int, int] = {}
@@ -262,7 +269,7 @@ class _Sheet:
 
     def _read(self, css: str, start: int, end: int, closes: dict[int, int], depth: int) -> None:
         for prelude, body_start, body_end in _blocks(css, start, end, closes):
-            if len(self.rules) >= _MAX_SELECTORS:
+            if self.overflow:
                 return
             if prelude.startswith("@"):
                 if depth < 4 and _MEDIA_SHOWN.match(prelude):
@@ -274,8 +281,11 @@ class _Sheet:
             if not decls:
                 continue
             for text in prelude.split(","):
+                if len(self.rules) >= _MAX_SELECTORS:
+                    self.overflow = True
+                    return
                 parsed = _selector(text)
-                if parsed is not None and len(self.rules) < _MAX_SELECTORS:
+                if parsed is not None:
                     self.rules.append((parsed[0], parsed[1], decls))
 
 
@@ -291,12 +301,17 @@ def _sheet(body) -> _Sheet | None:
         texts.append(text)
         size += len(text)
         if size > _MAX_CSS_CHARS:
-            break
+            return _OVERFLOW
     css = "\n".join(texts)
     if "{" not in css:
         return None
     sheet = _Sheet(css)
+    if sheet.overflow:
+        return _OVERFLOW
     return sheet if sheet.rules else None
+
+
+_OVERFLOW = object()  # stylesheets past the bounds: everything in the body counts as hidden
 
 
 # --- the pass ------------------------------------------------------------------------
@@ -330,6 +345,8 @@ def _cascade(decls_in_order: list) -> dict:
 def find_hidden(body) -> tuple[list, list]:
     """(elements hidden with everything in them, elements whose own text is hidden)."""
     sheet = _sheet(body)
+    if sheet is _OVERFLOW:
+        return list(body), [body]
     if sheet is None and not body.xpath("boolean(descendant-or-self::*[@style or @hidden or @aria-hidden])"):
         return [], []  # nothing can hide anything (the common case, one C-level search)
     gone: list = []
@@ -375,6 +392,7 @@ def find_hidden(body) -> tuple[list, list]:
                     break
                 for r, i in candidates:
                     compounds, combs, decls = sheet.rules[r]
+                    budget -= compounds[i].cost
                     if not compounds[i].matches(el, classes):
                         continue
                     if i > 0:

@@ -374,3 +374,16 @@ def test_a_body_hidden_until_a_script_shows_it_is_kept():
         v = page_text(html)
         assert v.text == "the page", html
         assert "the page" in html_to_markdown(html).markdown
+
+
+def test_padding_the_stylesheets_hides_the_page_never_shows_hidden_text():
+    tail = ".b{display:none}</style><p>shown</p><p class=b>SECRET</p>"
+    under = "<style>" + "".join(f".z{i}{{display:none}}" for i in range(_hidden._MAX_SELECTORS - 10)) + tail
+    v = page_text(under)
+    assert v.text == "shown" and v.hidden_chars == len("SECRET")
+    for padded in ("<style>" + "".join(f".z{i} p > [a]{{top:-9999px}}" for i in range(_hidden._MAX_SELECTORS)) + tail,
+                   "<style>" + ".a, .b" * 400_000 + "{opacity:0}" + tail,
+                   "<style>" + "/* pad */" * (_hidden._MAX_CSS_CHARS // 9 + 1) + tail):
+        v, seconds = cpu(lambda: page_text(padded))
+        assert seconds < CPU_SECONDS, seconds
+        assert v.text == "" and v.hidden_chars == len("shown") + len("SECRET")
