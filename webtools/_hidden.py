@@ -49,10 +49,10 @@ _PROPERTIES = frozenset({"display", "visibility", "opacity", "font-size", "left"
 _NUMBER = r"[+-]?(?:\d+\.?\d*|\.\d+)(?:e[+-]?\d+)?"
 _LENGTH = re.compile(rf"^({_NUMBER})([a-z%]*)$")
 _PX_PER = {"px": 1.0, "": 1.0, "pt": 4 / 3, "pc": 16.0, "in": 96.0, "cm": 96 / 2.54, "mm": 96 / 25.4,
-           "q": 96 / 101.6, "em": 16.0, "rem": 16.0}
+           "q": 96 / 101.6, "em": 16.0, "rem": 16.0, "vw": 12.8, "vh": 8.0}  # a 1280x800 window
 _RELATIVE_FONT = frozenset({"em", "%", "ex", "ch", "cap", "ic", "lh"})
 _FONT_KEYWORDS = frozenset({"xx-small", "x-small", "small", "medium", "large", "x-large", "xx-large",
-                            "xxx-large", "smaller", "larger"})
+                            "xxx-large"})  # absolute sizes; smaller/larger are relative to the parent's
 
 
 def _length(value: str) -> tuple[float, str] | None:
@@ -79,6 +79,8 @@ def _effect(prop: str, value: str):
     if prop == "font-size":
         if value in _FONT_KEYWORDS:
             return "set"  # a non-zero size: text is seen again
+        if value in ("smaller", "larger", "inherit"):
+            return "relative"
         n = _length(value)
         if n is None:
             return None

@@ -224,6 +224,8 @@ HIDDEN_CORPUS = [
     ("commented stylesheet", "<style><!-- /* x */ .t{opacity:0} --></style><p class=t>SECRET</p>"),
     ("inherited font-size:0", "<div style='font-size:0'><p>SECRET</p></div>"),
     ("relative size under zero", "<div style='font-size:0'><p style='font-size:1.5em'>SECRET</p></div>"),
+    ("smaller under zero", "<div style='font-size:0'><p style='font-size:smaller'>SECRET</p></div>"),
+    ("off-screen in vw", "<div style='position:fixed;left:-100vw'>SECRET</div>"),
     ("nested in hidden", "<div style='display:none'><p style='display:block'>SECRET</p></div>"),
 ]
 
