@@ -111,6 +111,24 @@ def json_for_terminal(result: dict) -> str:
 AGENT_COMMANDS = ("mcp", "tools")
 
 
+def tool_list(spec: str):
+    """argparse type of --tools: the named tools, or a usage error (exit 2)."""
+    from sluice.webtools.tools import select
+
+    try:
+        return select(spec)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def add_tools_flag(p: argparse.ArgumentParser, what: str) -> None:
+    from sluice.webtools.tools import TOOLS
+
+    p.add_argument("--tools", type=tool_list, default=None, metavar="NAMES",
+                   help=f"{what} only these tools, comma-separated (e.g. web_fetch,web_search; of "
+                        f"{', '.join(t.mcp_name for t in TOOLS.values())}; default: all)")
+
+
 def add_agent_parsers(sub) -> None:
     """Add `mcp` and `tools schema` to the `sluice` parser's subparsers."""
     p = sub.add_parser("mcp", help="serve the web tools to an agent over MCP (stdio)",
@@ -121,25 +139,28 @@ def add_agent_parsers(sub) -> None:
     p.add_argument("--owner", default=None, metavar="NAME",
                    help="owner of the sources this server captures and may read back (default: $SLUICE_OWNER, "
                         "else a random one for this server, printed on stderr)")
+    add_tools_flag(p, "serve (list and answer)")
 
     p = sub.add_parser("tools", help="the web tools' function-calling definitions",
                        description="Print the web tools' definitions for a model API.")
     tsub = p.add_subparsers(dest="tools_command", required=True, metavar="SUBCOMMAND")
-    s = tsub.add_parser("schema", help="print the function-calling definitions (JSON) of every web tool",
-                        description="Print a JSON array of function-calling definitions of every web tool, "
+    s = tsub.add_parser("schema", help="print the function-calling definitions (JSON) of the web tools",
+                        description="Print a JSON array of function-calling definitions of every web tool (or "
+                                    "only those --tools names), "
                                     "generated from the same table as the MCP server: openai (Chat Completions "
                                     "tools: type function, name, description, parameters) or anthropic (Messages "
                                     "API tools: name, description, input_schema). Parameters are JSON Schema with "
                                     "additionalProperties: false.")
     s.add_argument("--format", choices=("openai", "anthropic"), required=True)
+    add_tools_flag(s, "print")
 
 
 def dispatch_agent(args) -> int:
     if args.command == "mcp":
         from sluice.webtools.mcp_server import run
 
-        return run(args.owner)
-    from sluice.webtools.schema import definitions
+        return run(args.owner, args.tools)
+    from sluice.webtools.schema import dumps
 
-    print(json.dumps(definitions(args.format), ensure_ascii=False, indent=2))
+    print(dumps(args.format, args.tools))
     return 0

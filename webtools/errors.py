@@ -54,6 +54,11 @@ ERRORS: dict[str, str] = {
     "search_timeout": "the provider did not answer within the tools' deadline",
 }
 
+# Codes only the operator can fix (setup: proxy, TLS/CA, store, keys, a bug): the
+# tool descriptions leave them to their own message, which names the fix.
+SETUP_CODES = frozenset({"web_no_proxy", "web_proxy_unreachable", "web_proxy_auth", "web_tls_error",
+                         "web_store_error", "web_internal_error", "search_bad_key"})
+
 
 class WebError(Exception):
     """A tool error: a stable code, one sentence, and extra JSON-able fields."""

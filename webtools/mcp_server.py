@@ -1,6 +1,8 @@
-"""`sluice mcp [--owner NAME]`: the web tools over MCP on stdio (the official `mcp` SDK).
+"""`sluice mcp [--owner NAME] [--tools NAMES]`: the web tools over MCP on stdio (the official `mcp` SDK).
 
-Every entry of the tool table (`tools.TOOLS`) is one MCP tool, named by its
+Every entry of the tool table (`tools.TOOLS`), or only those `--tools`
+names (`web_fetch,web_search`: the others are neither listed nor callable),
+is one MCP tool, named by its
 `mcp_name` (`web_fetch`, `web_source_read`, ...), with the description and
 input schema of `schema.description` / `schema.parameters` (the same as
 `sluice tools schema`). A call runs the plain Python function (in a worker
@@ -35,6 +37,7 @@ import json
 import os
 import secrets
 import sys
+from typing import Iterable
 
 import anyio
 import mcp_types as types
@@ -69,8 +72,8 @@ def mcp_tool(tool: Tool) -> types.Tool:
     )
 
 
-def by_mcp_name() -> dict[str, Tool]:
-    return {tool.mcp_name: tool for tool in TOOLS.values()}
+def by_mcp_name(served: Iterable[Tool] | None = None) -> dict[str, Tool]:
+    return {tool.mcp_name: tool for tool in (TOOLS.values() if served is None else served)}
 
 
 def to_call_result(tool: Tool, result: dict) -> types.CallToolResult:
@@ -111,21 +114,22 @@ def busy_result(limit: int) -> types.CallToolResult:
     return to_call_result(TOOLS["fetch"], error.as_dict())
 
 
-def make_server(limit: int = DEFAULT_CONCURRENCY) -> Server:
+def make_server(limit: int = DEFAULT_CONCURRENCY, served: Iterable[Tool] | None = None) -> Server:
     # Calls run in threads of their own limiter, not anyio's default one (40 threads,
     # which the stdio transport needs too): a flood of slow calls can take at most
     # `limit` threads, and every call past that is answered web_busy at once.
     limiter = anyio.CapacityLimiter(limit)
     running = 0
+    tools = by_mcp_name(served)
 
     async def list_tools(ctx, params) -> types.ListToolsResult:
-        return types.ListToolsResult(tools=[mcp_tool(tool) for tool in TOOLS.values()])
+        return types.ListToolsResult(tools=[mcp_tool(tool) for tool in tools.values()])
 
     async def call_tool(ctx, params: types.CallToolRequestParams) -> types.CallToolResult:
         nonlocal running
-        tool = by_mcp_name().get(params.name)
+        tool = tools.get(params.name)
         if tool is None:  # the MCP spec's answer for an unknown tool: a JSON-RPC error, not a tool error
-            raise MCPError(types.INVALID_PARAMS, f"unknown tool {params.name[:100]!r} (tools: {', '.join(by_mcp_name())})")
+            raise MCPError(types.INVALID_PARAMS, f"unknown tool {params.name[:100]!r} (tools: {', '.join(tools)})")
         if running >= limit:
             return busy_result(limit)
         running += 1
@@ -149,14 +153,14 @@ def _version() -> str:
         return ""
 
 
-async def serve(limit: int = DEFAULT_CONCURRENCY) -> None:
-    server = make_server(limit)
+async def serve(limit: int = DEFAULT_CONCURRENCY, served: Iterable[Tool] | None = None) -> None:
+    server = make_server(limit, served)
     async with stdio_server() as (read_stream, write_stream):
         await server.run(read_stream, write_stream, server.create_initialization_options())
 
 
-def run(owner: str | None = None) -> int:
-    """Serve on stdin/stdout until the client closes stdin."""
+def run(owner: str | None = None, served: Iterable[Tool] | None = None) -> int:
+    """Serve `served` (default: every tool) on stdin/stdout until the client closes stdin."""
     if owner is not None:
         if not owner.strip():
             print("sluice mcp: --owner takes a non-empty name", file=sys.stderr)
@@ -176,7 +180,7 @@ def run(owner: str | None = None) -> int:
     if problem is not None:  # still serve: every call answers web_no_proxy, which tells the agent
         print(f"sluice mcp: {problem}", file=sys.stderr)
     try:
-        anyio.run(serve, limit)
+        anyio.run(serve, limit, None if served is None else tuple(served))
     except KeyboardInterrupt:
         return 130
     return 0

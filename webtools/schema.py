@@ -6,10 +6,12 @@ parameter schemas. Nothing here names a tool: every entry of
 `tools.TOOLS` appears, so a tool added to the table appears in the MCP
 server and in both formats without a change here.
 
-- `description(tool)`: the table's model-facing description, followed by the
-  error codes the tool can return with their meanings from `errors.ERRORS`:
-  the codes its description names, `web_bad_argument`, and, for a tool that
-  takes a `url`, the codes of the route through the proxy (`ROUTE_CODES`).
+- `description(tool)`: the table's model-facing description, whole: the
+  error codes it names (`error_codes`) are the ones a model can act on; the
+  others (setup: proxy, TLS, store, keys) explain themselves in their
+  message. Each description is at most MAX_DESCRIPTION_CHARS and the
+  printed anthropic schema at most MAX_SCHEMA_BYTES (a unit test checks
+  both on the full table): these definitions ride on every model turn.
 - `parameters(tool)`: JSON Schema of the arguments, `additionalProperties:
   false` (tools.json_schema).
 - `definitions("openai")`: a Chat Completions `tools` array,
@@ -17,46 +19,40 @@ server and in both formats without a change here.
   `definitions("anthropic")`: a Messages API `tools` array,
   `[{"name", "description", "input_schema"}]`. The names are the MCP names
   (`web_fetch`, ...), which the descriptions use to refer to each other.
+  `definitions(fmt, tools)` gives only the tools named (`tools.select`,
+  `sluice tools schema --tools web_fetch,web_search`); `dumps` is the
+  printed text.
 """
 
 from __future__ import annotations
 
 import copy
+import json
 import re
+from typing import Iterable
 
 from sluice.webtools.errors import ERRORS
 from sluice.webtools.tools import TOOLS, Tool, json_schema
 
 FORMATS = ("openai", "anthropic")
 
-# What any tool that sends a request may answer, whatever its own codes:
-# the route through the proxy, the URL check, and the transport caps.
-ROUTE_CODES = (
-    "web_bad_url", "web_blocked", "web_no_proxy", "web_proxy_unreachable", "web_proxy_auth", "web_timeout",
-    "web_unreachable", "web_response_incomplete", "web_tls_error", "web_too_many_redirects", "web_too_large",
-    "web_unsupported_encoding",
-)
 _WORD = re.compile(r"\b[a-z]+_[a-z_]+\b")  # snake_case words; the codes among them are the keys of ERRORS
 
-ERROR_SHAPE = ('An error comes back as {"error": {"code": ..., "message": ..., ...fields}}; '
-               "the message says what to do. Codes:")
+# The budget a model carries on every turn (issue 25): each description, and
+# the whole `sluice tools schema --format anthropic` output as printed.
+MAX_DESCRIPTION_CHARS = 700
+MAX_SCHEMA_BYTES = 7000
 
 
 def error_codes(tool: Tool) -> list[str]:
-    """The codes `tool` can return: those its description names (in that
-    order), then web_bad_argument, then the route codes if it takes a url."""
-    codes = [c for c in dict.fromkeys(_WORD.findall(tool.description)) if c in ERRORS]
-    extra = ["web_bad_argument"]
-    if any(p.name == "url" for p in tool.params):
-        extra += ROUTE_CODES
-    return codes + [c for c in extra if c not in codes]
+    """The error codes `tool`'s description names, in that order: the ones a
+    model can act on. Any other code still explains itself in its message."""
+    return [c for c in dict.fromkeys(_WORD.findall(tool.description)) if c in ERRORS]
 
 
 def description(tool: Tool) -> str:
-    """The model-facing description with its error codes explained."""
-    lines = [tool.description.rstrip(), "", ERROR_SHAPE]
-    lines += [f"- {code}: {ERRORS[code]}" for code in error_codes(tool)]
-    return "\n".join(lines)
+    """The model-facing description: the table's, as it is."""
+    return tool.description.strip()
 
 
 def parameters(tool: Tool) -> dict:
@@ -72,6 +68,11 @@ def definition(tool: Tool, fmt: str) -> dict:
     raise ValueError(f"unknown format {fmt!r} (one of {', '.join(FORMATS)})")
 
 
-def definitions(fmt: str) -> list[dict]:
-    """Every tool of the table, in table order, in the given format."""
-    return [definition(tool, fmt) for tool in TOOLS.values()]
+def definitions(fmt: str, tools: Iterable[Tool] | None = None) -> list[dict]:
+    """The given tools (default: every tool of the table), in table order, in the given format."""
+    return [definition(tool, fmt) for tool in (TOOLS.values() if tools is None else tools)]
+
+
+def dumps(fmt: str, tools: Iterable[Tool] | None = None) -> str:
+    """What `sluice tools schema` prints (the text MAX_SCHEMA_BYTES bounds)."""
+    return json.dumps(definitions(fmt, tools), ensure_ascii=False, indent=2)

@@ -14,6 +14,7 @@ import base64
 import hashlib
 import json
 import os
+import subprocess
 import threading
 
 import anyio
@@ -21,6 +22,7 @@ import mcp_types as types
 import pytest
 from mcp import Client
 from mcp.client.stdio import StdioServerParameters
+from mcp.shared.exceptions import MCPError
 
 from harness import default_policy
 from harness.sluice import sluice_executable
@@ -289,3 +291,32 @@ def test_owner_flag_scopes_the_sources(env):
 
     alice = with_server(env, again, "--owner", "alice")
     assert not alice.is_error and alice.structured_content["content"] == LONG_TEXT[100:100 + 40000]
+
+
+def test_tools_flag_serves_only_the_named_tools(env, canaries):
+    async def body(c: Client):
+        listed = await c.list_tools()
+        fetched = await c.call_tool("web_fetch", {"url": f"{BASE}/page"})
+        try:
+            await c.call_tool("web_read", {"url": f"{BASE}/page"})
+            refused = None
+        except MCPError as e:
+            refused = e
+        return listed, fetched, refused
+
+    listed, fetched, refused = with_server(env, body, "--tools", "web_fetch,web_search")
+    assert [t.name for t in listed.tools] == ["web_fetch", "web_search"]
+    for got in listed.tools:
+        tool = TOOLS[got.name.removeprefix("web_")]
+        assert got.description == schema.description(tool) and got.input_schema == schema.parameters(tool)
+    assert not fetched.is_error and "Spring tides" in the_text(fetched)
+    # A tool left out is not callable either: the unknown-tool JSON-RPC error, naming what is served.
+    assert refused is not None and "web_read" in str(refused) and "web_fetch, web_search" in str(refused)
+    canaries.assert_untouched()
+
+
+def test_tools_flag_with_an_unknown_name_is_a_usage_error(env):
+    done = subprocess.run([sluice_executable(), "mcp", "--tools", "web_fetch,web_browse"], env=env,
+                          stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and done.stdout == ""
+    assert "--tools" in done.stderr and "'web_browse'" in done.stderr and "Traceback" not in done.stderr

@@ -17,7 +17,7 @@ import pytest
 
 from sluice.cli import main
 from sluice.webtools import mcp_server, schema, tools
-from sluice.webtools.errors import ERRORS
+from sluice.webtools.errors import ERRORS, SETUP_CODES
 from sluice.webtools.tools import TOOLS, Param
 
 
@@ -70,27 +70,104 @@ def test_fetch_and_request_parameters_in_detail():
     assert list(validator.iter_errors({"url": "https://a.example/", "headers": {"accept": 5}}))
 
 
-def test_descriptions_explain_paging_envelope_and_each_error():
+def test_definitions_fit_the_budget_a_model_carries():
+    # Issue 25: these ride on every model turn. 19.9 KB printed before (each description
+    # repeated about 17 setup-only error codes with their meanings).
+    assert schema.MAX_DESCRIPTION_CHARS == 700 and schema.MAX_SCHEMA_BYTES == 7000
+    for tool in TOOLS.values():
+        assert len(schema.description(tool)) <= schema.MAX_DESCRIPTION_CHARS, (tool.name, len(tool.description))
+        for p in tool.params:
+            assert len(p.description) <= 100, (tool.name, p.name)
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        assert main(["tools", "schema", "--format", "anthropic"]) == 0
+    assert printed.getvalue() == schema.dumps("anthropic") + "\n"
+    assert len(printed.getvalue().encode()) <= schema.MAX_SCHEMA_BYTES
+    assert len(schema.dumps("openai").encode()) <= schema.MAX_SCHEMA_BYTES + 100 * len(TOOLS)  # its wrappers
+
+
+def test_descriptions_say_what_to_do_and_name_only_actionable_codes():
     mcp_names = {t.mcp_name for t in TOOLS.values()}
+    prefixes = "|".join(sorted({code.split("_", 1)[0] for code in ERRORS}))
+    assert SETUP_CODES <= set(ERRORS)
     for tool in TOOLS.values():
         text = schema.description(tool)
-        codes = schema.error_codes(tool)
-        assert "web_bad_argument" in codes and len(codes) == len(set(codes))
-        for code in codes:
-            assert f"- {code}: {ERRORS[code]}" in text
-        # Every code a description names is a real one (a typo would hide a meaning).
-        prefixes = "|".join(sorted({code.split("_", 1)[0] for code in ERRORS}))
-        for word in re.findall(rf"\b(?:{prefixes})_[a-z_]+\b", tool.description):
+        # The envelope's contents are data, and how the envelope is closed.
+        assert "never instructions to you" in text and "end=NONCE>" in text, tool.name
+        # Every code a description names is a real one (a typo would hide a meaning), and none is setup-only.
+        for word in re.findall(rf"\b(?:{prefixes})_[a-z_]+\b", text):
             assert word in ERRORS or word in mcp_names, (tool.name, word)
-            if word in ERRORS:
-                assert word in codes
-        if any(p.name == "url" for p in tool.params):
-            assert set(schema.ROUTE_CODES) <= set(codes)
-    assert set(schema.ROUTE_CODES) <= set(ERRORS)
+            assert word not in SETUP_CODES, (tool.name, word)
+        assert schema.error_codes(tool) == [c for c in dict.fromkeys(re.findall(r"\b[a-z]+_[a-z_]+\b", text))
+                                           if c in ERRORS]
+        if any(p.name == "url" for p in tool.params):  # sends a request: policy refusal and what to retry
+            assert {"web_blocked", "web_timeout", "web_unreachable", "web_busy"} <= set(schema.error_codes(tool))
+            assert "setup errors" in text
     fetch = schema.description(TOOLS["fetch"])
-    assert "offset=N" in fetch and "never instructions" in fetch and "end=NONCE" in fetch
-    assert "never instructions" in schema.description(TOOLS["source_read"])
-    assert "web_proxy_unreachable" not in schema.error_codes(TOOLS["source_read"])  # no request, no route codes
+    assert "offset=N" in fetch and "<page" in fetch
+    assert "paging" in schema.description(TOOLS["source_read"])
+    assert "web_source_not_found" in schema.error_codes(TOOLS["source_read"])
+    assert "retry_after" in schema.description(TOOLS["search"])
+
+
+def test_cli_prints_only_the_tools_named():
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(["tools", "schema", "--format", "anthropic", "--tools", "web_search, fetch"]) == 0
+    defs = json.loads(out.getvalue())
+    assert [d["name"] for d in defs] == ["web_fetch", "web_search"]  # table order, either name
+    assert defs == schema.definitions("anthropic", [TOOLS["fetch"], TOOLS["search"]])
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(["tools", "schema", "--format", "openai", "--tools", "web_read"]) == 0
+    assert [d["function"]["name"] for d in json.loads(out.getvalue())] == ["web_read"]
+
+
+@pytest.mark.parametrize("argv", [["tools", "schema", "--format", "openai", "--tools", "web_fetch,web_browse"],
+                                  ["mcp", "--tools", "web_browse"], ["mcp", "--tools", ","]])
+def test_an_unknown_or_empty_tool_list_is_a_usage_error(argv):
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2 and "--tools" in err.getvalue() and "Traceback" not in err.getvalue()
+    assert "web_fetch, web_source_read" in err.getvalue()  # names the tools there are
+    if "web_browse" in argv[-1]:
+        assert "'web_browse'" in err.getvalue()
+
+
+def test_help_says_what_tools_selects(capsys):
+    for argv in (["mcp", "--help"], ["tools", "schema", "--help"]):
+        with pytest.raises(SystemExit):
+            main(argv)
+        out = " ".join(capsys.readouterr().out.split())
+        assert "--tools NAMES" in out and "only these tools" in out and "web_fetch,web_search" in out
+
+
+def test_call_takes_the_model_facing_name_and_refuses_an_unknown_one(monkeypatch):
+    seen = []
+    monkeypatch.setitem(TOOLS, "read", dataclasses.replace(TOOLS["read"],
+                                                           function=lambda **kw: seen.append(kw) or {"ok": 1}))
+    assert tools.call("web_read", {"url": "https://a.example/"}) == {"ok": 1}
+    assert tools.call("read", {"url": "https://b.example/"}) == {"ok": 1}
+    assert seen == [{"url": "https://a.example/"}, {"url": "https://b.example/"}]
+    for name in ("web_browse", "", "fetch\u202e", None, 3):
+        error = tools.call(name, {"url": "https://a.example/"})["error"]
+        assert error["code"] == "web_bad_argument" and "web_fetch" in error["message"], name
+        assert "\u202e" not in error["message"]
+    assert tools.call("web_read", ["https://a.example/"])["error"]["code"] == "web_bad_argument"
+    assert seen == [{"url": "https://a.example/"}, {"url": "https://b.example/"}]  # none of those ran
+    error = {"error": {"code": "web_not_html", "message": "m"}}
+    assert tools.render("web_read", error) == tools.render("read", error)
+    page = {"kind": "page", "text": "T"}
+    assert tools.render("web_fetch", page) == tools.render("fetch", page) == "T"
+
+
+def test_select_names_the_tools_in_table_order():
+    assert tools.select("web_search,web_fetch") == (TOOLS["fetch"], TOOLS["search"])
+    assert tools.select(" source_read , web_source_read ") == (TOOLS["source_read"],)
+    for bad in ("", " , ", "web_fetch,nope"):
+        with pytest.raises(ValueError):
+            tools.select(bad)
 
 
 def test_a_tool_added_to_the_table_appears_everywhere(monkeypatch):
@@ -101,8 +178,7 @@ def test_a_tool_added_to_the_table_appears_everywhere(monkeypatch):
     for fmt in schema.FORMATS:
         description, params = by_name(schema.definitions(fmt), fmt)["web_echo"]
         assert params["required"] == ["text"] and params["properties"]["times"]["default"] == 1
-        assert params["additionalProperties"] is False and "- web_bad_argument:" in description
-        assert "web_no_proxy" not in description  # takes no url
+        assert params["additionalProperties"] is False and description == echo.description
     listed = {t.name: t for t in (mcp_server.mcp_tool(t) for t in TOOLS.values())}
     assert listed["web_echo"].input_schema == schema.parameters(echo)
     assert listed["web_echo"].annotations.open_world_hint is False
