@@ -71,6 +71,8 @@ DNS_MISSES = Counter("sluice_dns_cache_misses", "Names not in Sluice's DNS cache
 CONNECT = Histogram("sluice_upstream_connect_seconds", "Time to open a TCP connection to an origin", buckets=NETWORK_BUCKETS)
 OPEN_CONNECTIONS = Gauge("sluice_open_client_connections", "Client connections open now (sampled each second)",
                          multiprocess_mode="livesum")
+OTLP_DROPPED = Counter("sluice_otlp_dropped", "Audit records not exported over OTLP (the queue was full or the "
+                       "collector did not take their batch; addons/otlp.py)")
 OPEN_TUNNELS = Gauge("sluice_open_tunnels", "Tunnels open now (sampled each second)", multiprocess_mode="livesum")
 
 SAMPLE_SECONDS = 1.0

@@ -18,6 +18,7 @@ from sluice.addons.guardrails import Guardrails
 from sluice.addons.head_limits import HeadLimits
 from sluice.addons import mitm_patches
 from sluice.addons.origin_headers import OriginHeaders
+from sluice.addons.otlp import OtlpExport
 from sluice.addons.policy_source import PolicySource
 from sluice.addons.quotas import Quotas
 from sluice.addons.redirects import RedirectGuard
@@ -42,10 +43,13 @@ def make_addons(*, lifecycle: bool = False, metrics: bool = False) -> list:
 
         status = Status(audit, source)
         operations += [status, Drain(caps, tunnels, status.drain)]
+    on_drop = None
     if metrics:
-        from sluice.addons.metrics import Metrics
+        from sluice.addons.metrics import OTLP_DROPPED, Metrics
 
         operations.append(Metrics(audit, source, tunnels))
+        on_drop = OTLP_DROPPED.inc
+    operations.append(OtlpExport(audit, on_drop))  # off unless an endpoint is given (addons/otlp.py)
     return [Guardrails(), source, ConnectionAudit(audit), OriginHeaders(), gate, Quotas(source, audit, caps, gate), Upstreams(gate, audit), CredentialInjector(source, audit), RedirectGuard(source), UpgradeGuard(caps, source), caps, HeadLimits(source, audit), audit, *operations]
 
 

@@ -101,6 +101,10 @@ def _parser() -> argparse.ArgumentParser:
     proxy.add_argument("--drain-timeout", type=float, default=30.0, metavar="SECONDS",
                        help="on SIGTERM, how long in-flight exchanges and tunnels may take to finish before they "
                             "are cut (default: %(default)g)")
+    proxy.add_argument("--otlp-endpoint", default="", metavar="URL",
+                       help="also export every audit record as an OTLP log (HTTP/protobuf) to this collector, "
+                            "e.g. http://otel-collector:4318 (default: $OTEL_EXPORTER_OTLP_LOGS_ENDPOINT or "
+                            "$OTEL_EXPORTER_OTLP_ENDPOINT if set; 'off': never)")
 
     ca = sub.add_parser("ca", help="print the interception CA certificate's path and PEM (creating it if missing)")
     ca.add_argument("--ca-dir", default=None, metavar="DIR", help="CA directory (default: $SLUICE_CA_DIR or ~/.sluice/ca)")
@@ -234,7 +238,7 @@ def _main(argv: list[str] | None) -> int:
         from sluice.proxy import run
 
         return run(args.policy, args.listen, args.mode, args.audit_log, args.sets, args.ca_dir,
-                   admin=args.admin, drain_timeout=args.drain_timeout)
+                   admin=args.admin, drain_timeout=args.drain_timeout, otlp_endpoint=args.otlp_endpoint)
     if args.command == "ca":
         from sluice.ca import show
 

@@ -109,7 +109,7 @@ class ReadyLine:
 
 
 async def _serve(policy: str, listen: tuple[str, int], modes: list[str], audit_log: str, sets: list[str], ca: str,
-                 admin: tuple[str, int] | None = None, drain_timeout: float = 30.0) -> int:
+                 admin: tuple[str, int] | None = None, drain_timeout: float = 30.0, otlp_endpoint: str = "") -> int:
     opts = options.Options(listen_host=listen[0], listen_port=listen[1], confdir=ca)
     mitm_patches.install()
     master = Master(opts, with_termlog=False)
@@ -124,7 +124,8 @@ async def _serve(policy: str, listen: tuple[str, int], modes: list[str], audit_l
     mitm_patches.fast_dispatch(master.addons)  # a fixed addon list: resolve each event's hooks once
     try:
         opts.update(**SLUICE_DEFAULTS)
-        opts.update(mode=modes or ["regular"], sluice_audit_log=audit_log)
+        # Always set, so the OTEL_EXPORTER_OTLP_* variables are read (and a bad one reported) here.
+        opts.update(mode=modes or ["regular"], sluice_audit_log=audit_log, sluice_otlp_endpoint=otlp_endpoint)
         if sets:
             opts.set(*sets)
         opts.update(sluice_policy=policy)
@@ -163,7 +164,7 @@ async def _serve(policy: str, listen: tuple[str, int], modes: list[str], audit_l
 
 
 def run(policy: str, listen: str, modes: list[str], audit_log: str, sets: list[str], ca: str | None = None,
-        admin: str = "127.0.0.1:9090", drain_timeout: float = 30.0) -> int:
+        admin: str = "127.0.0.1:9090", drain_timeout: float = 30.0, otlp_endpoint: str = "") -> int:
     try:
         address = parse_listen(listen)
         admin_address = parse_admin(admin)
@@ -181,4 +182,5 @@ def run(policy: str, listen: str, modes: list[str], audit_log: str, sets: list[s
     open_files.raise_limit()  # soft open-files limit up to the hard one (see docs/deploy.md)
     if os.environ.get(REUSE_PORT_ENV) == "1":
         enable_reuse_port()
-    return asyncio.run(_serve(policy, address, modes, audit_log, sets, str(directory), admin_address, drain_timeout))
+    return asyncio.run(_serve(policy, address, modes, audit_log, sets, str(directory), admin_address, drain_timeout,
+                              otlp_endpoint))
