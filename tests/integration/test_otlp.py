@@ -182,3 +182,18 @@ def test_every_worker_exports(sluice_factory, collector):
         time.sleep(0.2)
     assert len(pids) == 2, f"records came from the workers {pids}"
     assert all(r["resource"]["service.name"] == "sluice" for r in collector.records)
+
+
+def test_the_collector_is_dialled_directly_whatever_http_proxy_says(sluice_factory, collector, monkeypatch):
+    """HTTP(S)_PROXY in the proxy's environment (say, pointing at Sluice
+    itself, or at nothing) is not the exporter's way to its collector."""
+    import harness.sluice
+
+    nowhere = f"http://127.0.0.1:{free_port()}"
+    plain = harness.sluice.clean_env
+    monkeypatch.setattr(harness.sluice, "clean_env",
+                        lambda: {**plain(), "HTTP_PROXY": nowhere, "HTTPS_PROXY": nowhere, "http_proxy": nowhere})
+    proxy = sluice_factory(default_policy(), name="otlp-direct", extra_args=("--otlp-endpoint", collector.url))
+    assert get(proxy, "http://public.example/").status_code == 200
+    collector.wait(lambda r: r["attributes"].get("sluice.host") == "public.example")
+    assert dropped(proxy) == 0
