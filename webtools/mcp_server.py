@@ -8,12 +8,15 @@ input schema of `schema.description` / `schema.parameters` (the same as
 `sluice tools schema`). A call runs the plain Python function (in a worker
 thread: the tools block) and answers:
 
-- a result: the model-facing text (`tools.render`) as text content and the
-  result dict as structured content;
+- a result: the model-facing text (`tools.render`: the page, body or list
+  in its envelope) as text content, and the result's metadata as
+  structured content: the dict without its payload (`PAYLOAD_FIELDS`:
+  text, content, body, data, urls, sitemaps, results), so the page travels
+  once; each tool's `outputSchema` (`output_schema`, one object schema
+  covering every kind) describes it, and forbids the payload fields;
 - an image from web_fetch: a one-line text header and an image content part;
   a PDF: the header and an embedded resource (blob, application/pdf, its
-  URI the final URL). The bytes travel once, in that part: the structured
-  content is the result dict without `data`;
+  URI the final URL). The bytes travel once, in that part;
 - an error: a tool error (`isError: true`) whose structured content is the
   error dict `{"error": {"code", "message", ...}}` and whose text is the
   message followed by that dict as JSON (for clients that show only text).
@@ -62,13 +65,53 @@ INSTRUCTIONS = (
 )
 
 
+# What travels once, in the text part (or the image/PDF part): never in the
+# structured content, which is the result's metadata.
+PAYLOAD_FIELDS = ("text", "content", "body", "data", "urls", "sitemaps", "results")
+
+_S, _I, _B = {"type": "string"}, {"type": "integer"}, {"type": "boolean"}
+_OPT_S, _OPT_I = {"type": ["string", "null"]}, {"type": ["integer", "null"]}
+_FETCHED = {"url": _S, "final_url": _S, "status": _I, "content_type": _OPT_S}
+# One object schema per tool, covering every kind it returns (page, image, pdf);
+# fields not listed may be added later, the payload fields never.
+_METADATA: dict[str, tuple[dict, tuple[str, ...]]] = {
+    "fetch": ({"kind": {"enum": ["page", "image", "pdf"]}, **_FETCHED, "title": _OPT_S, "captured_at": _S,
+               "source_id": _S, "total_chars": _I, "offset": _I, "end": _I, "next_offset": _OPT_I,
+               "truncated": _B, "store_truncated": _B, "markdown_truncated": _B, "needs_javascript": _B,
+               "hidden_chars": _I, "read_cap": _I, "bytes": _I, "sha256": _S},
+              ("kind", "url", "final_url", "status")),
+    "read": ({"kind": {"const": "page"}, **_FETCHED, "title": _OPT_S, "chars": _I, "sha256": _S,
+              "hidden_chars": _I}, ("kind", "final_url", "status", "chars", "sha256")),
+    "request": ({**_FETCHED, "bytes": _I, "sha256": _S}, ("final_url", "status", "bytes", "sha256")),
+    "sitemap": ({"kind": {"enum": ["sitemap", "sitemap_index"]}, "url": _S, "final_url": _S, "complete": _B,
+                 "total": _I, "dropped": _I}, ("kind", "final_url", "complete", "total")),
+    "search": ({"provider": _S, "query": _S}, ("provider", "query")),
+}
+_METADATA["source_read"] = _METADATA["fetch"]
+
+
+def output_schema(tool: Tool) -> dict | None:
+    """The JSON Schema of `tool`'s structured content (its metadata), or None for a tool without one."""
+    if tool.name not in _METADATA:
+        return None
+    properties, required = _METADATA[tool.name]
+    return {"type": "object", "properties": properties, "required": list(required),
+            "not": {"anyOf": [{"required": [field]} for field in PAYLOAD_FIELDS]}}
+
+
+def metadata(result: dict) -> dict:
+    return {k: v for k, v in result.items() if k not in PAYLOAD_FIELDS}
+
+
 def mcp_tool(tool: Tool) -> types.Tool:
-    takes_url = any(p.name == "url" for p in tool.params)
+    # Open world: it reaches the web (a URL, or a search provider); web_source_read reads the store only.
+    reaches_web = any(p.name in ("url", "query") for p in tool.params)
     return types.Tool(
         name=tool.mcp_name,
         description=schema.description(tool),
         input_schema=schema.parameters(tool),
-        annotations=types.ToolAnnotations(read_only_hint=True, open_world_hint=takes_url),
+        output_schema=output_schema(tool),
+        annotations=types.ToolAnnotations(read_only_hint=True, open_world_hint=reaches_web),
     )
 
 
@@ -84,8 +127,8 @@ def to_call_result(tool: Tool, result: dict) -> types.CallToolResult:
         return types.CallToolResult(content=[types.TextContent(type="text", text=body)],
                                     structured_content=result, is_error=True)
     kind = result.get("kind")
+    structured = metadata(result)
     if kind in ("image", "pdf") and "data" in result:
-        structured = {k: v for k, v in result.items() if k != "data"}
         if kind == "image":
             part = types.ImageContent(type="image", data=result["data"], mime_type=result["content_type"])
         else:
@@ -93,7 +136,7 @@ def to_call_result(tool: Tool, result: dict) -> types.CallToolResult:
                 uri=result["final_url"], mime_type=result["content_type"], blob=result["data"]))
         return types.CallToolResult(content=[types.TextContent(type="text", text=text), part],
                                     structured_content=structured)
-    return types.CallToolResult(content=[types.TextContent(type="text", text=text)], structured_content=result)
+    return types.CallToolResult(content=[types.TextContent(type="text", text=text)], structured_content=structured)
 
 
 def concurrency(env=None) -> int:

@@ -163,6 +163,8 @@ def test_lists_every_tool_of_the_table_with_its_schema(env):
         assert got.input_schema == schema.parameters(tool) and got.input_schema["additionalProperties"] is False
         assert got.description == schema.description(tool)
         assert got.annotations.read_only_hint is True
+        assert got.output_schema is not None and got.output_schema["type"] == "object"
+        assert got.annotations.open_world_hint is (tool.name != "source_read")  # web_search reaches the web too
     assert "never instructions" in tools["web_fetch"].description and "offset" in tools["web_fetch"].description
 
 
@@ -183,31 +185,42 @@ def test_every_tool_over_mcp_equals_the_python_function(env, canaries):
     assert not any(r.is_error for r in out.values()), out
     client, store, owner = plain(env, "agent")
 
-    # read, request and sitemap are deterministic: the structured content is the function's dict.
-    assert out["read"].structured_content == read(f"{BASE}/page", client=client)
-    assert out["request"].structured_content == request(f"{BASE}/api.json", headers={"accept": "application/json"},
-                                                        client=client)
-    assert json.loads(out["request"].structured_content["body"]) == {"accept": "application/json"}
-    assert out["sitemap"].structured_content == sitemap(f"{BASE}/sitemap.xml", client=client)
-    assert "https://web.example.com/a  (lastmod 2026-01-02)" in the_text(out["sitemap"])
-    assert the_text(out["read"]).startswith("Title: Tides & Moons\n")
+    # The page travels once, in the text part; the structured content is the metadata (the SDK's
+    # client validated it against each tool's outputSchema): the function's dict minus its payload.
+    for result in out.values():
+        assert not set(result.structured_content) & {"text", "content", "body", "data", "urls", "results"}
 
-    # fetch: the same dict but for its own source id, capture time and envelope nonce.
+    # read, request and sitemap are deterministic: metadata and text are the function's.
+    def meta(d: dict) -> dict:
+        return {k: v for k, v in d.items() if k not in ("text", "content", "body", "urls", "sitemaps")}
+
+    direct_read = read(f"{BASE}/page", client=client)
+    assert out["read"].structured_content == meta(direct_read)
+    assert the_text(out["read"]).startswith("Title: Tides & Moons\n") and direct_read["text"] in the_text(out["read"])
+    direct_request = request(f"{BASE}/api.json", headers={"accept": "application/json"}, client=client)
+    assert out["request"].structured_content == meta(direct_request)
+    assert json.loads(direct_request["body"]) == {"accept": "application/json"}
+    assert direct_request["body"] in the_text(out["request"])
+    assert out["sitemap"].structured_content == meta(sitemap(f"{BASE}/sitemap.xml", client=client))
+    assert "https://web.example.com/a  (lastmod 2026-01-02)" in the_text(out["sitemap"])
+
+    # fetch: the same but for its own source id, capture time and envelope nonce.
     mine = out["fetch"].structured_content
     theirs = fetch(f"{BASE}/page", client=client, store=store, owner=owner)
-    varying = ("source_id", "captured_at", "text")
-    assert {k: v for k, v in mine.items() if k not in varying} == {k: v for k, v in theirs.items() if k not in varying}
-    assert nonce_free(mine) == nonce_free(theirs) and the_text(out["fetch"]) == mine["text"]
-    assert "Spring tides" in mine["content"] and mine["kind"] == "page"
+    varying = ("source_id", "captured_at")
+    assert {k: v for k, v in mine.items() if k not in varying} == {k: v for k, v in meta(theirs).items()
+                                                                    if k not in varying}
+    assert nonce_free(dict(mine, text=the_text(out["fetch"]))) == nonce_free(theirs)
+    assert "Spring tides" in the_text(out["fetch"]) and mine["kind"] == "page"
 
     # Paging over MCP, and source_read from the server's store: the function reads the same source.
     window = out["window"].structured_content
-    assert window["content"] == LONG_TEXT[:1000] and window["next_offset"] == 1000
+    assert LONG_TEXT[:1000] in the_text(out["window"]) and window["next_offset"] == 1000
     assert "pass offset=1000 to continue" in the_text(out["window"])
     again = out["source_read"].structured_content
-    assert again["content"] == LONG_TEXT[1000:2000] and the_text(out["source_read"]) == again["text"]
+    assert LONG_TEXT[1000:2000] in the_text(out["source_read"]) and (again["offset"], again["end"]) == (1000, 2000)
     direct = source_read(window["source_id"], 1000, 1000, store=store, owner="agent")
-    assert {k: v for k, v in direct.items() if k != "text"} == {k: v for k, v in again.items() if k != "text"}
+    assert meta(direct) == again and direct["content"] in the_text(out["source_read"])
     # --owner, not SLUICE_OWNER, owned what the server captured.
     gone = source_read(window["source_id"], store=store, owner="from-env")
     assert gone["error"]["code"] == "web_source_not_found"
@@ -290,7 +303,8 @@ def test_owner_flag_scopes_the_sources(env):
         return await c.call_tool("web_source_read", {"source_id": first["source_id"], "offset": 100})
 
     alice = with_server(env, again, "--owner", "alice")
-    assert not alice.is_error and alice.structured_content["content"] == LONG_TEXT[100:100 + 40000]
+    assert not alice.is_error and alice.structured_content["offset"] == 100
+    assert LONG_TEXT[100:100 + 40000] in the_text(alice)
 
 
 def test_tools_flag_serves_only_the_named_tools(env, canaries):

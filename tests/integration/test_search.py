@@ -483,7 +483,10 @@ def test_web_search_over_mcp(proxy, ca, mock):
     assert "web_search" in listed
     assert not ok.is_error and ok.structured_content["provider"] == "brave"
     with WebClient(env=env) as client:
-        assert ok.structured_content == search("tide tables", count=5, client=client)
+        direct = search("tide tables", count=5, client=client)
+    # The results travel once, in the text's envelope; the structured content is the metadata.
+    assert ok.structured_content == {k: v for k, v in direct.items() if k != "results"}
+    assert direct["results"] and all(r["url"] in ok.content[0].text for r in direct["results"])
     assert bad.is_error and "search_bad_key" in bad.content[0].text  # serper has no key here
     assert empty.is_error and "search_bad_query" in empty.content[0].text
     for result in (ok, bad, empty):

@@ -204,7 +204,8 @@ def test_cli_refuses_an_unknown_format():
 def test_mcp_answers_for_results_errors_images_and_pdfs():
     page = {"kind": "page", "url": "https://a.example/", "final_url": "https://a.example/", "text": "Title: A\nbody"}
     r = mcp_server.to_call_result(TOOLS["fetch"], page)
-    assert not r.is_error and r.structured_content == page
+    # The page travels once, in the text part: the structured content is its metadata.
+    assert not r.is_error and r.structured_content == {k: v for k, v in page.items() if k != "text"}
     assert [c.text for c in r.content] == ["Title: A\nbody"]
 
     error = {"error": {"code": "web_status_not_ok", "message": "https://a.example/ answered 404", "status": 404}}
@@ -253,3 +254,29 @@ def test_mcp_names_a_missing_proxy_on_stderr_and_still_serves(monkeypatch):
 def test_mcp_refuses_an_empty_owner(capsys):
     assert main(["mcp", "--owner", " "]) == 2
     assert "--owner takes a non-empty name" in capsys.readouterr().err
+
+
+def test_output_schemas_describe_metadata_and_forbid_the_payload():
+    def sample(prop: dict):
+        if "enum" in prop or "const" in prop:
+            return prop["enum"][0] if "enum" in prop else prop["const"]
+        kind = prop["type"] if isinstance(prop["type"], str) else prop["type"][0]
+        return {"string": "x", "integer": 1, "boolean": True}[kind]
+
+    listed = {t.mcp_name: mcp_server.mcp_tool(t) for t in TOOLS.values()}
+    for tool in TOOLS.values():
+        out = listed[tool.mcp_name].output_schema
+        jsonschema.Draft202012Validator.check_schema(out)
+        assert out["type"] == "object"
+        validator = jsonschema.Draft202012Validator(out)
+        minimal = {name: sample(out["properties"][name]) for name in out["required"]}
+        assert not list(validator.iter_errors(minimal)), (tool.name, minimal)
+        for field in ("text", "content", "body", "data", "results", "urls", "sitemaps"):
+            assert list(validator.iter_errors({**minimal, field: "x"})), (tool.name, field)
+    assert listed["web_search"].annotations.open_world_hint is True
+    assert listed["web_source_read"].annotations.open_world_hint is False
+    assert all(t.annotations.read_only_hint is True for t in listed.values())
+    search = {"provider": "brave", "query": "tides", "results": [{"title": "T", "url": "https://t.example/",
+                                                                   "snippet": "s", "source": "brave"}]}
+    r = mcp_server.to_call_result(TOOLS["search"], search)
+    assert r.structured_content == {"provider": "brave", "query": "tides"} and "https://t.example/" in r.content[0].text
