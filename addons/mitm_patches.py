@@ -197,6 +197,12 @@ def _patch_http1_head_caps() -> None:
                     complete(self.conn)  # the deadline from accept is met
             yield command
         yield from _arm_deadline(self, limits.header_timeout)
+        if getattr(self, "_sluice_head_deadline", None) is not None:
+            # A head has started: its own deadline (from its first byte) takes
+            # over from the one since accept, so one late head is one refusal.
+            complete = getattr(guard, "head_complete", None)
+            if complete is not None:
+                complete(self.conn)
 
     _set(Http1Server, "read_headers", read_headers, original, "__sluice_http1_head_caps__")
 
