@@ -4,6 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 POLICY ?= config/policy.yaml
 LISTEN ?= 127.0.0.1:8080
+ADMIN ?= 127.0.0.1:9090
 # The runtime dependencies, every version and hash pinned; the image installs the same file.
 LOCK := requirements.lock
 
@@ -32,7 +33,7 @@ lock: venv
 	    --custom-compile-command 'make lock' --quiet $(LOCK_ARGS) -o $(LOCK)
 
 run: venv
-	$(VENV)/bin/sluice proxy --policy $(POLICY) --listen $(LISTEN)
+	$(VENV)/bin/sluice proxy --policy $(POLICY) --listen $(LISTEN) --admin $(ADMIN)
 
 # Everything runs inside a private network namespace where the test hosts
 # live on `lo`: no test can send a packet off this machine.

@@ -15,6 +15,8 @@ import platform
 import socket
 import sys
 
+from sluice.policy_location import locate
+
 EXIT_USAGE = 2
 EXIT_BROKEN_PIPE = 128 + 13  # what a shell reports for a command killed by SIGPIPE
 
@@ -78,13 +80,18 @@ def listen_problem(host: str, port: int, protocol: str = "tcp", reuse_port: bool
     return None
 
 
+POLICY_DEFAULT = ("default: $SLUICE_POLICY, else /etc/sluice/policy.yaml, else the packaged starter policy "
+                  "(any public host); a named file that is missing is an error, never a fallback")
+POLICY_HELP = "policy YAML (" + POLICY_DEFAULT + ")"
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="sluice", description="Egress-policy forward proxy for AI agents and sandboxes.")
     p.add_argument("--version", action=_Version)
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     proxy = sub.add_parser("proxy", help="run the proxy in the foreground")
-    proxy.add_argument("--policy", default="config/policy.yaml", metavar="FILE", help="policy YAML (default: %(default)s)")
+    proxy.add_argument("--policy", default=None, metavar="FILE", help=POLICY_HELP)
     proxy.add_argument("--listen", default="127.0.0.1:8080", help="HOST:PORT for the listeners (default: %(default)s)")
     proxy.add_argument("--mode", action="append", default=[], metavar="SPEC",
                        help="mitmproxy mode spec, repeatable: regular (default), socks5@1080, transparent, ...")
@@ -120,7 +127,7 @@ def _parser() -> argparse.ArgumentParser:
                                         "Warnings (FILE:LINE:COL: warning: ...) name rules the proxy cannot enforce "
                                         "as written, e.g. methods for HTTPS hosts that are not intercepted.")
     check.add_argument("--strict", action="store_true", help="fail (exit 1) on warnings too")
-    check.add_argument("--policy", metavar="FILE", help="policy YAML (or give it as FILE)")
+    check.add_argument("--policy", metavar="FILE", help="policy YAML (or give it as FILE); " + POLICY_DEFAULT)
     check.add_argument("file", nargs="?", metavar="FILE", help="policy YAML, the same as --policy FILE")
     check.set_defaults(subparser=check)
 
@@ -132,7 +139,7 @@ def _parser() -> argparse.ArgumentParser:
                     "with the policy's DNS settings unless --resolve is given, in which case only the "
                     "--resolve table is used and any other name is unresolvable.",
     )
-    explain.add_argument("--policy", required=True, metavar="FILE", help="policy YAML")
+    explain.add_argument("--policy", metavar="FILE", help=POLICY_HELP)
     explain.add_argument("--client", metavar="NAME", help="decide as the client profile NAME (default: a client matching no profile)")
     explain.add_argument("--method", metavar="M", help="HTTP method (default: GET)")
     explain.add_argument("--resolve", action="append", default=[], metavar="HOST=IP",
@@ -151,6 +158,13 @@ def _parser() -> argparse.ArgumentParser:
     test.add_argument("paths", nargs="+", metavar="PATH", help="CASES after --policy FILE, or FILE CASES")
     test.set_defaults(subparser=test)
     test.add_argument("-v", "--verbose", action="store_true", help="also print a line for every passing case")
+
+    init = psub.add_parser("init", help="write the commented starter policy to FILE, to edit",
+                           description="Write the starter policy (any public host on ports 80 and 443; every "
+                                       "key commented) to FILE, default policy.yaml; '-' prints it. An existing "
+                                       "FILE is kept unless --force.")
+    init.add_argument("file", nargs="?", default="policy.yaml", metavar="FILE")
+    init.add_argument("--force", action="store_true", help="overwrite FILE if it exists")
 
     psub.add_parser(
         "hash-password", help="print a password_hash verifier for a password read from stdin",
@@ -171,10 +185,11 @@ def _policy_paths(args) -> None:
     command = getattr(args, "policy_command", None)
     if command == "check":
         given = [path for path in (args.policy, args.file) if path is not None]
-        if len(given) != 1:
-            args.subparser.error("give the policy once: --policy FILE (or FILE)" if given else
-                                 "the policy is missing: sluice policy check --policy FILE")
-        args.file = args.policy = given[0]
+        if len(given) > 1:
+            args.subparser.error("give the policy once: --policy FILE (or FILE)")
+        args.file = args.policy = locate(given[0] if given else None).path
+    elif command == "explain":
+        args.policy = locate(args.policy).path
     elif command == "test":
         if args.policy is not None:
             if len(args.paths) != 1:
@@ -213,6 +228,9 @@ def main(argv: list[str] | None = None) -> int:
 def _main(argv: list[str] | None) -> int:
     args = _parser().parse_args(argv)
     _policy_paths(args)
+    if args.command == "proxy":
+        where = locate(args.policy)
+        args.policy, args.policy_label = where.path, where.label
     if args.command == "proxy" and args.workers != 1:
         from sluice.listen import parse_listen
         from sluice.workers import supervise
@@ -238,6 +256,7 @@ def _main(argv: list[str] | None) -> int:
         from sluice.proxy import run
 
         return run(args.policy, args.listen, args.mode, args.audit_log, args.sets, args.ca_dir,
+                   policy_label=args.policy_label,
                    admin=args.admin, drain_timeout=args.drain_timeout, otlp_endpoint=args.otlp_endpoint)
     if args.command == "ca":
         from sluice.ca import show

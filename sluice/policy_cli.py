@@ -73,7 +73,20 @@ def dispatch(args) -> int:
         return run_test(args.file, args.cases, verbose=args.verbose)
     if command == "hash-password":
         return hash_password_command()
+    if command == "init":
+        return init(args.file, force=args.force)
     return EXIT_USAGE
+
+
+def init(target: str, *, force: bool = False) -> int:
+    from sluice.policy_location import write_starter
+
+    problem = write_starter(target, force=force)
+    if problem is not None:
+        return _usage("init", problem)
+    if target != "-":
+        print(f"{target}: wrote the starter policy; edit it, then: sluice policy check {target}", file=sys.stderr)
+    return EXIT_OK
 
 
 def _usage(command: str, message: str) -> int:

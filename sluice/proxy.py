@@ -16,7 +16,7 @@ from mitmproxy.proxy import mode_specs
 
 from sluice.addons import mitm_patches, open_files
 from sluice.addons.admin import WORKER_DIR_ENV, AdminServer, Endpoints, admin_problem, parse_admin, same_listener
-from sluice.addons.own_host import OWN_HOST
+from sluice.addons.own_host import ADMIN_ENV, OWN_HOST
 from sluice.addons.sluice_addon import make_addons
 from sluice.ca import ca_dir, ensure_ca
 from sluice.cli import EXIT_USAGE, listen_problem
@@ -98,18 +98,28 @@ def listen_problems(opts: options.Options) -> list[str]:
 class ReadyLine:
     """Prints one line on stderr once every listener is up."""
 
-    def __init__(self, policy_path: str) -> None:
-        self.policy_path = policy_path
+    def __init__(self, policy_label: str, admin: tuple[str, int] | None) -> None:
+        self.policy_label = policy_label
+        # A worker of `--workers N` runs without its own admin listener: the
+        # supervisor's, which it is told through the environment, is the one.
+        shown = None if admin is None else _host_port(*admin)
+        self.admin = shown or os.environ.get(ADMIN_ENV) or "off"
 
     def running(self) -> None:
         addrs = ctx.master.addons.get("proxyserver").listen_addrs()
         shown = " ".join(f"[{h}]:{p}" if ":" in h else f"{h}:{p}" for h, p, *_ in addrs)
         modes = ",".join(ctx.options.mode)
-        print(f"sluice: ready on {shown} (mode {modes}; policy {self.policy_path})", file=sys.stderr, flush=True)
+        print(f"sluice: ready on {shown} (mode {modes}; policy {self.policy_label}; admin {self.admin})",
+              file=sys.stderr, flush=True)
+
+
+def _host_port(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 async def _serve(policy: str, listen: tuple[str, int], modes: list[str], audit_log: str, sets: list[str], ca: str,
-                 admin: tuple[str, int] | None = None, drain_timeout: float = 30.0, otlp_endpoint: str = "") -> int:
+                 admin: tuple[str, int] | None = None, drain_timeout: float = 30.0, otlp_endpoint: str = "",
+                 policy_label: str | None = None) -> int:
     opts = options.Options(listen_host=listen[0], listen_port=listen[1], confdir=ca)
     mitm_patches.install()
     master = Master(opts, with_termlog=False)
@@ -118,7 +128,8 @@ async def _serve(policy: str, listen: tuple[str, int], modes: list[str], audit_l
     master.addons.add(TermLog(out=sys.stderr), *mitmproxy_addons())
     # A worker's supervisor serves its metrics: they are kept even without --admin.
     metrics = admin is not None or bool(os.environ.get(WORKER_DIR_ENV))
-    master.addons.add(*make_addons(lifecycle=True, metrics=metrics), ReadyLine(policy))
+    ready_line = ReadyLine(policy_label or policy, admin)
+    master.addons.add(*make_addons(lifecycle=True, metrics=metrics), ready_line)
     drain, status = master.addons.get("drain"), master.addons.get("status")
     drain.timeout = drain_timeout
     mitm_patches.fast_dispatch(master.addons)  # a fixed addon list: resolve each event's hooks once
@@ -147,6 +158,7 @@ async def _serve(policy: str, listen: tuple[str, int], modes: list[str], audit_l
         OWN_HOST.add_listener(*admin)  # the admin endpoint is the proxy's host too: never a destination
         try:
             server = AdminServer(*admin, Endpoints(status)).start()
+            ready_line.admin = _host_port(*server.address)  # the bound port, for --admin HOST:0
         except OSError as e:
             print(f"sluice: {admin_problem(*admin, e)}", file=sys.stderr)
             return EXIT_USAGE
@@ -164,7 +176,8 @@ async def _serve(policy: str, listen: tuple[str, int], modes: list[str], audit_l
 
 
 def run(policy: str, listen: str, modes: list[str], audit_log: str, sets: list[str], ca: str | None = None,
-        admin: str = "127.0.0.1:9090", drain_timeout: float = 30.0, otlp_endpoint: str = "") -> int:
+        admin: str = "127.0.0.1:9090", drain_timeout: float = 30.0, otlp_endpoint: str = "",
+        policy_label: str | None = None) -> int:
     try:
         address = parse_listen(listen)
         admin_address = parse_admin(admin)
@@ -183,4 +196,4 @@ def run(policy: str, listen: str, modes: list[str], audit_log: str, sets: list[s
     if os.environ.get(REUSE_PORT_ENV) == "1":
         enable_reuse_port()
     return asyncio.run(_serve(policy, address, modes, audit_log, sets, str(directory), admin_address, drain_timeout,
-                              otlp_endpoint))
+                              otlp_endpoint, policy_label))

@@ -311,7 +311,6 @@ def test_missing_policy_exits_1(cli, tmp_path):
 
 
 def test_argparse_errors_exit_2(cli):
-    assert cli(["policy", "explain", "http://8.8.8.8/"]).code == 2  # no --policy
     assert cli(["policy", "explain", "--policy", "p.yaml"]).code == 2  # no URL
     assert cli(["policy"]).code == 2
 

@@ -102,7 +102,7 @@ def test_the_proxy_refuses_to_start_on_a_read_only_directory_without_a_ca(tmp_pa
     empty = tmp_path / "empty"
     empty.mkdir()
     code = "import sys; from sluice.cli import main; sys.exit(main(sys.argv[1:]))"
-    policy = Path(__file__).resolve().parents[2] / "config" / "policy.yaml"
+    policy = Path(__file__).resolve().parents[2] / "sluice" / "starter_policy.yaml"
     if shutil.which("unshare") is None:
         pytest.skip("needs unshare")
     user = [] if os.geteuid() == 0 else ["-r"]
