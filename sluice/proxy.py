@@ -12,6 +12,7 @@ from mitmproxy import ctx, exceptions, options
 from mitmproxy.addons import block, core, disable_h2c, errorcheck, next_layer, proxyserver, tlsconfig
 from mitmproxy.addons.termlog import TermLog
 from mitmproxy.master import Master
+from mitmproxy.utils import human
 from mitmproxy.proxy import mode_specs
 
 from sluice.addons import mitm_patches, open_files
@@ -95,6 +96,23 @@ def listen_problems(opts: options.Options) -> list[str]:
     return problems
 
 
+class OneVoice(logging.Formatter):
+    """Every line Sluice writes on stderr reads `sluice: ...`, mitmproxy's
+    log records included (its own format is `[hh:mm:ss.mmm] ...`); an
+    error says so after the prefix (warnings carry operator news such as a
+    reload, so they are not labelled), and a client's address, when
+    mitmproxy names one, follows it."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        level = "error: " if record.levelno >= logging.ERROR else ""
+        client = getattr(record, "client", None)
+        peer = f"{human.format_address(client)}: " if client else ""
+        text = f"sluice: {level}{peer}{record.getMessage()}"
+        if record.exc_info:
+            text += "\n" + self.formatException(record.exc_info)
+        return text
+
+
 class ReadyLine:
     """Prints one line on stderr once every listener is up."""
 
@@ -125,7 +143,9 @@ async def _serve(policy: str, listen: tuple[str, int], modes: list[str], audit_l
     master = Master(opts, with_termlog=False)
     # Out of file descriptors: one rate-limited line, not a traceback per accept.
     master._asyncio_exception_handler = open_files.OutOfFiles(master._asyncio_exception_handler)
-    master.addons.add(TermLog(out=sys.stderr), *mitmproxy_addons())
+    termlog = TermLog(out=sys.stderr)
+    termlog.logger.setFormatter(OneVoice())  # stderr speaks one line format, the ready line's
+    master.addons.add(termlog, *mitmproxy_addons())
     # A worker's supervisor serves its metrics: they are kept even without --admin.
     metrics = admin is not None or bool(os.environ.get(WORKER_DIR_ENV))
     ready_line = ReadyLine(policy_label or policy, admin)
@@ -138,6 +158,10 @@ async def _serve(policy: str, listen: tuple[str, int], modes: list[str], audit_l
         # Always set, so the OTEL_EXPORTER_OTLP_* variables are read (and a bad one reported) here.
         opts.update(mode=modes or ["regular"], sluice_audit_log=audit_log, sluice_otlp_endpoint=otlp_endpoint)
         if sets:
+            if any(item.split("=", 1)[0].strip() == "scripts" for item in sets):
+                raise ValueError("`sluice proxy` loads no mitmproxy scripts (--set scripts=...); to add your own "
+                                 "addons, run Sluice's under mitmdump: mitmdump -s addons/sluice_addon.py -s YOURS.py "
+                                 "--set sluice_policy=FILE (README: mitmdump)")
             opts.set(*sets)
         opts.update(sluice_policy=policy)
     except (exceptions.OptionsError, KeyError, ValueError, NotImplementedError) as e:

@@ -65,6 +65,8 @@ def test_every_sighup_answers_with_the_state_the_proxy_is_in(sluice_factory):
     write(path, yaml.safe_dump(default_policy(deny=["two.example"]), sort_keys=False))
     line = hup(proxy, "policy reloaded")
     assert line.endswith(f"{path}: policy reloaded (generation 2)"), line
+    assert line == f"sluice: {path}: policy reloaded (generation 2)", line  # one voice on stderr (issue 26 item 8)
+    assert all(text.startswith("sluice: ") for text in proxy.stderr_text().splitlines() if text.strip())
 
     os.unlink(path)
     line = hup(proxy, "is gone")

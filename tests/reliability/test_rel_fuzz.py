@@ -163,11 +163,11 @@ def fuzz_proxy(sluice_factory):
     return sluice_factory(policy, name="fuzz")
 
 
-_STAMP = re.compile(r"^\[\d\d:\d\d:\d\d\.\d+\]")
+_STAMP = re.compile(r"^sluice: ")  # every stderr record starts so (sluice/proxy.py OneVoice)
 
 
 def _error_blocks(text: str) -> list[str]:
-    """stderr split into its log records ([hh:mm:ss.mmm] lines and what follows them)."""
+    """stderr split into its log records (`sluice: ` lines and what follows them)."""
     blocks: list[list[str]] = []
     for line in text.splitlines():
         if _STAMP.match(line) or not blocks:

@@ -104,7 +104,7 @@ def proxy(sluice_factory, origin, tls_ca):
                           extra_args=("--set", f"ssl_verify_upstream_trusted_ca={tls_ca.cafile}"))
 
 
-_STAMP = re.compile(r"^\[\d\d:\d\d:\d\d\.\d+\]")
+_STAMP = re.compile(r"^sluice: ")  # every stderr record starts so (sluice/proxy.py OneVoice)
 ERROR_MARKS = ("Traceback", "Addon error", "Error in", "Exception", "Unhandled", "crashed")
 
 

@@ -202,3 +202,11 @@ def test_check_says_nothing_is_unreachable_for_the_default_policy():
     result = sluice("policy", "check", POLICY)
     assert result.returncode == 0 and "unreachable" not in result.stdout
     assert "tunnels: no byte cap, no time cap" in result.stdout
+
+
+def test_set_scripts_says_that_sluice_proxy_loads_no_scripts(tmp_path):
+    result = sluice("proxy", "--policy", POLICY, "--listen", "127.0.0.1:0", "--admin", "off",
+                    "--set", "scripts=mine.py", home=tmp_path)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    line, = result.stderr.splitlines()
+    assert line.startswith("sluice: `sluice proxy` loads no mitmproxy scripts") and "mitmdump -s" in line
