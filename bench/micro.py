@@ -116,6 +116,55 @@ def run(policy_files: dict[str, Path] | None = None, *, quick: bool = False) -> 
                           "deny_entries": len(rules.deny)}
             if label == "default":
                 out["limits"] = _limits_on(rules, iterations, rounds, load_s)
+    out["request_rules"] = _rules_rows(iterations, rounds)
+    return out
+
+
+# Request rules (issue 21): indexed by host, so a policy with 1,000 rules
+# over 1,000 hosts decides as fast as one with a few; 100 rules on one host
+# are scanned in order (the worst case: the request matches the last).
+RULE_HOSTS = 1000
+RULES_ON_ONE_HOST = 100
+
+
+def rules_policy_text(hosts: int, rules_per_host: int) -> str:
+    lines = ["version: 1", "intercept: ['**.rules.example']", "rules:"]
+    for h in range(hosts):
+        for r in range(rules_per_host):
+            lines.append(f"  - allow: {{hosts: [h{h}.rules.example], methods: [GET], paths: ['/org{h}/v{r}/*/items/**']}}")
+    return "\n".join(lines) + "\n"
+
+
+# (label, policy (hosts, rules per host), cases: (label, host, target))
+RULE_ROWS = [
+    ("1,000 rules over 1,000 hosts", (RULE_HOSTS, 1), [
+        ("rule matches", f"h{RULE_HOSTS // 2}.rules.example", f"/org{RULE_HOSTS // 2}/v0/repo/items/1/2"),
+        ("no rule names the host", "public.example", "/org1/v0/repo/items/1"),
+    ]),
+    (f"{RULES_ON_ONE_HOST} rules on one host", (1, RULES_ON_ONE_HOST), [
+        ("last rule matches", "h0.rules.example", f"/org0/v{RULES_ON_ONE_HOST - 1}/repo/items/1"),
+        ("no rule matches", "h0.rules.example", "/org0/other"),
+    ]),
+]
+
+
+def _rules_rows(iterations: int, rounds: int) -> dict:
+    from sluice.policy.decide import Destination
+    from sluice.policy.loader import load_policy_text
+
+    out = {}
+    for label, (hosts, per_host), cases in RULE_ROWS:
+        t0 = time.perf_counter()
+        policy = load_policy_text(rules_policy_text(hosts, per_host), "<bench rules>")
+        load_s = time.perf_counter() - t0
+        results = {}
+        for case, host, target in cases:
+            dest = Destination(host=host, port=443, scheme="https", method="GET", target=target)
+            try:
+                results[case] = time_case(policy.rules, dest, ("8.8.8.8",), iterations=iterations, rounds=rounds)
+            except Exception as e:  # reported, not fatal
+                results[case] = {"error": f"{type(e).__name__}: {e}"}
+        out[label] = {"cases": results, "load_seconds": round(load_s, 3), "rules": hosts * per_host}
     return out
 
 
@@ -147,11 +196,19 @@ def table(results: dict) -> list[str]:
     lines = ["| Decision (check_request + check_answers) | " + " | ".join(cases) + " | policy load |",
              "|---|" + "---:|" * len(cases) + "---:|"]
     for label, r in results.items():
+        if label == "request_rules":
+            continue
         cells = []
         for case in cases:
             t = r["cases"].get(case, {})
             cells.append(f"n/a ({t['error']})" if "error" in t else f"{t['median_us']:.1f} µs (min {t['min_us']:.1f})")
         lines.append(f"| {labels.get(label, label)} | " + " | ".join(cells) + f" | {r['load_seconds']:.2f} s |")
+    for label, r in results.get("request_rules", {}).items():
+        cells = []
+        for case, t in r["cases"].items():
+            shown = f"n/a ({t['error']})" if "error" in t else f"{t['median_us']:.1f} µs (min {t['min_us']:.1f})"
+            cells.append(f"{case}: {shown}")
+        lines.append(f"| request rules: {label} | " + " | ".join(cells) + f" | {r['load_seconds']:.2f} s |")
     return lines
 
 

@@ -22,8 +22,12 @@ from sluice.policy.matchers import AddressEntry, Rule
 from sluice.policy.model import Rules
 from sluice.policy.ranges import classify
 from sluice.policy.reasons import Reason, Refusal
+from sluice.policy.request_rules import RequestRule, RuleMatch
 
 ALLOWED_SCHEMES = frozenset({"http", "https"})
+# rule_denied for a path's spelling: the agent can fix the request itself.
+HOSTILE_PATH_ADVICE = ("Write each path segment plainly (a real '/' between segments, no encoded slash, backslash or "
+                       "dot-dot, no ';' parameters) and send it again; sent unchanged, it gets the same answer.")
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,6 +39,9 @@ class Destination:
     scheme: str | None = None  # None where unknown (SOCKS5 or transparent TCP)
     method: str | None = None  # None for a raw tunnel
     has_credentials: bool = False  # user:pass@ in the URL
+    # The request target as sent (origin-form path and query, e.g. HTTP/2's
+    # `:path`); None for a CONNECT or a raw tunnel. Request rules match it.
+    target: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +55,10 @@ class Decision:
     rule: Rule | None = None  # the rule that let it through, if one did
     needs_dns: bool = False
     port: int = 0
+    # Request rules (policy.request_rules): the rule that decided, and the
+    # normalised path it matched, which is the path the proxy forwards.
+    request_rule: RequestRule | None = None
+    path: str | None = None
 
     @property
     def reason(self) -> Reason | None:
@@ -82,29 +93,66 @@ def check_request(rules: Rules, dest: Destination) -> Decision:
     if dest.port not in rules.ports and not _private_port_exists(rules, dest.port):
         return _refuse(Reason.PORT_NOT_ALLOWED, f"port {dest.port} is not allowed (allowed ports: {_ports(rules)})", host)
 
-    soft: Refusal | None = None  # a host/method refusal, which report mode lets through
-    if dest.method is not None and dest.method.upper() not in rules.methods:
-        soft = Refusal(Reason.METHOD_NOT_ALLOWED, f"the method {dest.method} is not allowed (allowed: {', '.join(sorted(rules.methods))})")
-
+    soft: Refusal | None = None  # a host/method/rule refusal, which report mode lets through
     allow_rule: Rule | None = None
     if isinstance(host, NameHost):
         why = internal_name(host.name)
         explicitly_allowed = rules.allow is not None and rules.allow.exact.get(host.name)
         if why and not explicitly_allowed:
             return _refuse(Reason.INTERNAL_HOSTNAME, f"{host.name} is {why}", host)
-    deny_rule = rules.deny.match_host(host)
-    if deny_rule:
-        soft = soft or Refusal(Reason.HOST_DENIED, f"{host} is denied by the rule {deny_rule.text!r}", deny_rule.origin)
-    elif rules.allow is not None:
-        allow_rule = rules.allow.match_host(host)
-        if not allow_rule and not (isinstance(host, NameHost) and rules.allow.addresses):
-            soft = soft or Refusal(Reason.HOST_NOT_ALLOWED, f"{host} is not on this policy's allow list")
+
+    judged = _judge_rules(rules, host, dest)
+    ruled = judged is not None and judged.rule is not None and judged.hostile is None
+    path = judged.path if judged is not None and judged.hostile is None else None
+    if judged is not None and judged.hostile is not None:
+        soft = Refusal(Reason.RULE_DENIED, _hostile_detail(host, judged), judged.rule.origin, advice=HOSTILE_PATH_ADVICE)
+    elif ruled and judged.rule.action == "deny":
+        soft = Refusal(Reason.RULE_DENIED, _denied_detail(host, dest, judged), judged.rule.origin)
+    elif ruled:
+        # An allow rule replaces the host-level allow/deny/methods step only.
+        allow_rule = Rule(judged.rule.text, judged.rule.origin)
+    else:
+        if dest.method is not None and dest.method.upper() not in rules.methods:
+            soft = Refusal(Reason.METHOD_NOT_ALLOWED, f"the method {dest.method} is not allowed (allowed: {', '.join(sorted(rules.methods))})")
+        deny_rule = rules.deny.match_host(host)
+        if deny_rule:
+            soft = soft or Refusal(Reason.HOST_DENIED, f"{host} is denied by the rule {deny_rule.text!r}", deny_rule.origin)
+        elif rules.allow is not None:
+            allow_rule = rules.allow.match_host(host)
+            if not allow_rule and not (isinstance(host, NameHost) and rules.allow.addresses):
+                soft = soft or Refusal(Reason.HOST_NOT_ALLOWED, f"{host} is not on this policy's allow list")
+    request_rule = judged.rule if ruled else None
 
     if isinstance(host, IPHost):
-        return _check_addresses(rules, host, dest.port, (host.address,), soft, allow_rule, literal=True)
+        return _check_addresses(rules, host, dest.port, (host.address,), soft, allow_rule, literal=True,
+                                request_rule=request_rule, path=path)
     if soft is not None and rules.action != "report":
-        return Decision(False, host, soft, port=dest.port)  # no lookup needed to refuse
-    return Decision(True, host, None, soft, rule=allow_rule, needs_dns=True, port=dest.port)
+        return Decision(False, host, soft, port=dest.port, request_rule=request_rule)  # no lookup needed to refuse
+    return Decision(True, host, None, soft, rule=allow_rule, needs_dns=True, port=dest.port,
+                    request_rule=request_rule, path=path)
+
+
+def _judge_rules(rules: Rules, host: Host, dest: Destination) -> RuleMatch | None:
+    """The request rules' verdict, or None when they have none here. A
+    tunnel that will be intercepted is not judged: each request inside is."""
+    if not rules.request_rules:
+        return None
+    if dest.target is None:
+        if dest.method not in (None, "CONNECT") or intercepts(rules, dest.host):
+            return None
+        return rules.request_rules.judge(host, None, None)
+    return rules.request_rules.judge(host, dest.method, dest.target)
+
+
+def _hostile_detail(host: Host, judged: RuleMatch) -> str:
+    return (f"the path contains {judged.hostile}, which origins decode in different ways, and request rules govern "
+            f"{host} (the first naming it is at {judged.rule.origin}), so its paths may not contain %2F, %5C, %2E%2E, "
+            "a backslash or ';'")
+
+
+def _denied_detail(host: Host, dest: Destination, judged: RuleMatch) -> str:
+    what = f"{(dest.method or 'GET').upper()} {judged.path}" if judged.path is not None else "a tunnel"
+    return f"{what} on {host} is denied by the rule at {judged.rule.origin} ({judged.rule.text})"
 
 
 def check_answers(
@@ -123,7 +171,7 @@ def check_answers(
         return _refuse(Reason.DNS_FAILED, f"{pending.host} has no address records", pending.host, port=pending.port)
     soft = pending.would_refuse
     allow_rule = pending.rule
-    if rules.allow is not None and allow_rule is None and soft is None:
+    if rules.allow is not None and allow_rule is None and soft is None and pending.request_rule is None:
         # A name not on the allow list by name may still be allowed by address
         # when the allow list holds CIDRs: every answer must be inside them.
         matched = [rules.allow.match_ip(a) for a in addresses]
@@ -131,12 +179,14 @@ def check_answers(
             allow_rule = matched[0]
         else:
             soft = Refusal(Reason.HOST_NOT_ALLOWED, f"{pending.host} is not on this policy's allow list")
-    return _check_addresses(rules, pending.host, pending.port, tuple(addresses), soft, allow_rule, literal=False)
+    return _check_addresses(rules, pending.host, pending.port, tuple(addresses), soft, allow_rule, literal=False,
+                            request_rule=pending.request_rule, path=pending.path)
 
 
 def _check_addresses(
     rules: Rules, host: Host, port: int, addresses: tuple[str, ...],
     soft: Refusal | None, allow_rule: Rule | None, *, literal: bool,
+    request_rule: RequestRule | None = None, path: str | None = None,
 ) -> Decision:
     reason = Reason.ADDRESS_NOT_PUBLIC if literal else Reason.DNS_ANSWER_NOT_PUBLIC
     rule = allow_rule
@@ -152,12 +202,14 @@ def _check_addresses(
         elif port not in rules.ports:
             return _refuse(Reason.PORT_NOT_ALLOWED, f"port {port} is not allowed (allowed ports: {_ports(rules)})",
                            host, addresses=addresses, port=port)
-        deny_rule = rules.deny.match_ip(address) if not literal else None
+        # A request rule that decided replaces the host-level deny (by address too).
+        deny_rule = rules.deny.match_ip(address) if not literal and request_rule is None else None
         if deny_rule and soft is None:
             soft = Refusal(Reason.HOST_DENIED, f"{host} resolves to {address}, which is denied by the rule {deny_rule.text!r}", deny_rule.origin)
     if soft is not None and rules.action != "report":
-        return Decision(False, host, soft, None, addresses=addresses, port=port)
-    return Decision(True, host, None, soft, address=_pick(addresses), addresses=addresses, rule=rule, port=port)
+        return Decision(False, host, soft, None, addresses=addresses, port=port, request_rule=request_rule)
+    return Decision(True, host, None, soft, address=_pick(addresses), addresses=addresses, rule=rule, port=port,
+                    request_rule=request_rule, path=path)
 
 
 def _opened(rules: Rules, address: str, port: int) -> AddressEntry | None:

@@ -28,6 +28,7 @@ from sluice.policy.hosts import INTERNAL_SUFFIXES, internal_name
 from sluice.policy.matchers import AddressSet, HostMatcher, PatternError, parse_cidr, parse_host_pattern
 from sluice.policy.ranges import IPV4_NON_PUBLIC, IPV6_NON_PUBLIC, NonPublicRange
 from sluice.policy.reasons import MAX_NOTE_CHARS
+from sluice.policy.request_rules import PathPattern, PathPatternError, QueryGlob, RequestRule, RuleSet
 from sluice.policy.model import (
     STANDARD_METHODS,
     ClientProfile,
@@ -60,7 +61,7 @@ class PolicyInvalid(Exception):
 
 # Keys a profile may override, and the top level may set.
 RULE_KEYS = ("action", "allow", "deny", "ports", "methods", "private_networks", "limits", "intercept", "strip_request_headers",
-             "refusal_note", "credentials")
+             "refusal_note", "credentials", "rules")
 TOP_KEYS = ("version",) + RULE_KEYS + ("dns", "clients", "require_client", "proxy_addresses")
 PROFILE_KEYS = ("name", "users", "sources") + RULE_KEYS
 DNS_KEYS = tuple(f.name for f in fields(DnsSettings))
@@ -68,6 +69,8 @@ LIMIT_KEYS = tuple(f.name for f in fields(Limits))
 USER_KEYS = ("password_hash", "password_file")
 CREDENTIAL_KEYS = ("hosts", "set_headers", "allow_plain_http")
 CREDENTIAL_VALUE_KEYS = ("file", "env", "format")
+REQUEST_RULE_ACTIONS = ("allow", "deny")
+REQUEST_RULE_KEYS = ("hosts", "methods", "paths", "query")
 SIZE_LIMITS = {"max_response_bytes", "max_request_bytes", "tunnel_max_bytes", "max_header_bytes", "bytes_per_hour",
                "h2_stream_buffer_bytes"}
 COUNT_LIMITS = {"max_header_count", "max_connections", "max_total_connections", "max_tunnels", "burst", "h2_max_concurrent_streams",
@@ -257,6 +260,7 @@ class _Reader:
         self.read_secret = read_secret
         self.environ = environ  # None: environment values are not read (text-only loading)
         self._credential_nodes: dict[int, yaml.Node] = {}  # id(Credential) -> its hosts node
+        self._rule_nodes: dict[int, yaml.Node] = {}  # id(RequestRule) -> its hosts node
         self._constructor = yaml.SafeLoader("")
         # Top-level entries that match nothing at the top level, with the test
         # that a profile inheriting them (key: "allow" or "deny") makes them match.
@@ -581,6 +585,109 @@ class _Reader:
                                        f"`intercept`, so its HTTPS requests pass through a tunnel the proxy never "
                                        f"sees: add {_q(text)} to {where} `intercept`")
 
+    # ---- request rules (policy.request_rules) --------------------------
+
+    def request_rules(self, node: yaml.Node) -> RuleSet:
+        """A `rules` list: each entry `allow: {...}` or `deny: {...}` with
+        `hosts` and optionally `methods`, `paths` and `query`."""
+        out: list[RequestRule] = []
+        for item in self.sequence(node, "rules"):
+            keys = self.mapping(item, REQUEST_RULE_ACTIONS, "a rules entry")
+            if not isinstance(item, yaml.MappingNode):
+                continue
+            if len(keys) != 1:
+                if len(keys) > 1 or not item.value:
+                    self.problem(item, "a rules entry is one of `allow: {hosts: [...], ...}` or `deny: {hosts: [...], ...}`")
+                continue
+            action, (_, spec_node) = next(iter(keys.items()))
+            rule = self.request_rule(action, spec_node, item)
+            if rule is not None:
+                out.append(rule)
+        return RuleSet(tuple(out))
+
+    def request_rule(self, action: str, node: yaml.Node, item: yaml.Node) -> RequestRule | None:
+        what = f"a rules {action} entry"
+        spec = self.mapping(node, REQUEST_RULE_KEYS, what)
+        if not isinstance(node, yaml.MappingNode):
+            return None
+        if "hosts" not in spec:
+            self.problem(node, f"{what} needs `hosts` (the host patterns it applies to, as in `allow`)")
+            return None
+        before = len(self.problems)
+        hosts_node = spec["hosts"][1]
+        hosts = self.patterns(hosts_node, "rules hosts")
+        texts = tuple(str(self.scalar(n)) for n in self.sequence(hosts_node, "rules hosts"))
+        if not texts and len(self.problems) == before:
+            self.problem(hosts_node, "rules hosts is empty: name the hosts this rule applies to ('*' for every host)")
+        methods = None
+        if "methods" in spec:
+            methods_node = spec["methods"][1]
+            methods = self.methods(methods_node)
+            if not methods and len(self.problems) == before:
+                self.problem(methods_node, "rules methods is empty, so the rule could never match; leave `methods` out for any method")
+            if "CONNECT" in methods:
+                self.problem(methods_node, "rules methods: CONNECT never reaches a rule with `methods` (a CONNECT is decided "
+                                           "by the rules with only `hosts`, and an intercepted one by the requests inside); "
+                                           "remove it")
+        paths = None
+        if "paths" in spec:
+            compiled = []
+            for path_node in self.sequence(spec["paths"][1], "rules paths"):
+                try:
+                    compiled.append(PathPattern.compile(self.scalar(path_node) if isinstance(path_node, yaml.ScalarNode) else None))
+                except PathPatternError as e:
+                    self.problem(path_node, f"rules paths: {_scrub(e, self.scalar(path_node))}")
+            if not compiled and len(self.problems) == before:
+                self.problem(spec["paths"][1], "rules paths is empty, so the rule could never match; leave `paths` out for any path")
+            paths = tuple(compiled)
+        query = None
+        if "query" in spec:
+            query_node = spec["query"][1]
+            if not isinstance(query_node, yaml.MappingNode) or not query_node.value:
+                self.problem(query_node, "rules query must map parameter names to globs, e.g. {state: open, page: '*'}")
+            else:
+                globs = []
+                for key_node, value_node in query_node.value:
+                    name, glob = self.scalar(key_node), self.scalar(value_node)
+                    if not isinstance(name, str) or not name:
+                        self.problem(key_node, "rules query: each key must be a parameter name")
+                    elif isinstance(glob, bool) or not isinstance(glob, (str, int)):
+                        self.problem(value_node, f"rules query: the glob for {_q(name)} must be text such as 'open' or '*'")
+                    elif any(q.name == name for q in globs):
+                        self.problem(key_node, f"rules query: {_q(name)} is listed twice")
+                    else:
+                        globs.append(QueryGlob.compile(name, str(glob)))
+                query = tuple(globs)
+        if len(self.problems) != before:
+            return None
+        rule = RequestRule(action, hosts, texts, methods, paths, query, origin=self.origin(item),
+                           line=item.start_mark.line + 1, column=item.start_mark.column + 1)
+        self._rule_nodes[id(rule)] = hosts_node
+        return rule
+
+    def rules_intercepted(self, top: Rules, clients: tuple[ClientProfile, ...], require_client: bool) -> None:
+        """A rule on methods, paths or query needs to see the request: every
+        host it names must be intercepted for HTTPS by the rules it applies
+        under, or its HTTPS requests pass in a tunnel the proxy never opens."""
+        scopes = ([] if require_client and clients else [(None, top)]) + [(p.name, p.rules) for p in clients]
+        reported: set[tuple[int, str]] = set()
+        for profile, rules in scopes:
+            for rule in rules.request_rules.rules:
+                node = self._rule_nodes.get(id(rule))
+                if node is None or rule.host_only:
+                    continue
+                for text in rule.hosts_text:
+                    if creds.pattern_intercepted(rules.intercept, text) or (id(rule), text) in reported:
+                        continue
+                    reported.add((id(rule), text))
+                    item = next((n for n in self.sequence(node, "rules hosts") if self.scalar(n) == text), node)
+                    where = f"client profile {_q(profile)}'s" if profile is not None else "the top level's"
+                    kinds = " and ".join(k for k, v in (("methods", rule.methods), ("paths", rule.paths), ("query", rule.query))
+                                         if v is not None)
+                    self.problem(item, f"the rule at {rule.origin} checks {kinds} on {_q(text)}, which {where} `intercept` "
+                                       f"does not name, so its HTTPS requests pass through a tunnel the proxy never sees: "
+                                       f"add {_q(text)} to {where} `intercept`, or keep only `hosts` in this rule")
+
     def limits(self, node: yaml.Node, base: Limits) -> Limits:
         changes: dict[str, Any] = {}
         for key, (key_node, value_node) in self.mapping(node, LIMIT_KEYS, "limits").items():
@@ -661,6 +768,8 @@ class _Reader:
                 changes[key] = self.note(value_node, base.refusal_note)
             elif key == "credentials":
                 changes[key] = creds.merge(self.credentials(value_node, top_level), base.credentials)
+            elif key == "rules":
+                changes["request_rules"] = self.request_rules(value_node)
         rules = replace(base, **changes)
         self._shadowed(rules, keys)
         self._never_match(rules, keys, top_level)
@@ -1083,6 +1192,7 @@ def _load_policy_text(text: str, file: str, read_secret: Callable[[str], str] | 
             if value and not clients:
                 reader.problem(keys["require_client"][0], "require_client is true but no `clients` are defined: every client would be refused")
     reader.credentials_intercepted(top, clients, require_client)
+    reader.rules_intercepted(top, clients, require_client)
     proxy_addresses = reader.proxy_addresses(keys["proxy_addresses"][1]) if "proxy_addresses" in keys else frozenset()
     if reader.problems:
         raise PolicyInvalid(sorted(reader.problems, key=lambda p: (p.line, p.col)))

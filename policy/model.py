@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from sluice.policy.credentials import Credential
 from sluice.policy.matchers import AddressSet, HostMatcher
+from sluice.policy.request_rules import RuleSet
 
 DEFAULT_PORTS: frozenset[int] = frozenset({80, 443})
 STANDARD_METHODS: frozenset[str] = frozenset(
@@ -94,6 +95,9 @@ class Rules:
     # Proxy-held credentials (policy.credentials): a profile's own entries,
     # then the top level's it did not replace. Values are redacted Secrets.
     credentials: tuple[Credential, ...] = ()
+    # Request rules (`rules:`, policy.request_rules), first match wins; a
+    # profile's list replaces the top level's.
+    request_rules: RuleSet = field(default_factory=RuleSet)
 
 
 @dataclass(frozen=True, slots=True)

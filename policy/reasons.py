@@ -50,6 +50,7 @@ class Reason(StrEnum):
     SHUTDOWN = "shutdown"
     CREDENTIAL_PLAIN_HTTP = "credential_plain_http"
     ORIGIN_PROXY_AUTH = "origin_proxy_auth"
+    RULE_DENIED = "rule_denied"
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,6 +99,7 @@ REASONS: dict[Reason, ReasonInfo] = {
     Reason.TOO_MANY_TUNNELS: ReasonInfo(429, "the client has `limits.max_tunnels` tunnels (CONNECT, SOCKS5, transparent, WebSocket pipes) open"),
     Reason.SHUTDOWN: ReasonInfo(503, "the proxy was shutting down and the exchange or tunnel was still open when `--drain-timeout` ran out; retrying (through another replica) is reasonable"),
     Reason.CREDENTIAL_PLAIN_HTTP: ReasonInfo(403, "the proxy holds a credential for this host and sends it over HTTPS only (no `allow_plain_http`), and the request is plain http"),
+    Reason.RULE_DENIED: ReasonInfo(403, "a request rule (`rules:`) denies this method, path or query on this host (the refusal names the rule's `file:line`), or the path is spelled in a way origins disagree about (`%2F`, `%5C`, `%2E%2E`, a backslash, `;`) on a host the rules name"),
     Reason.ORIGIN_PROXY_AUTH: ReasonInfo(502, "the origin answered 407 Proxy Authentication Required, which only the proxy may send (an origin could pose as Sluice asking for a password); Sluice answers 502 instead"),
 }
 

@@ -35,7 +35,7 @@ import yaml
 
 from sluice.addons.resolver import DnsFailure, PinnedResolver, Resolution, StaticResolver, decide
 from sluice.policy.clients import match_client
-from sluice.policy.credentials import Credential, apply_to
+from sluice.policy.credentials import Credential, apply_to, pattern_intercepted
 from sluice.policy.decide import Decision, Destination, intercepts
 from sluice.policy.hosts import HostError, IPHost, internal_name, parse_host
 from sluice.policy.loader import (
@@ -51,6 +51,7 @@ from sluice.policy.loader import (
 from sluice.policy.matchers import HostMatcher, PatternError, parse_host_pattern
 from sluice.policy.model import STANDARD_METHODS, DnsSettings, Policy, Rules
 from sluice.policy.reasons import Reason
+from sluice.policy.request_rules import rule_warnings
 from sluice.policy.urls import split_url
 
 EXIT_OK = 0
@@ -157,6 +158,9 @@ def _rules_lines(rules: Rules, indent: str) -> list[str]:
     if rules.intercept:
         what = "every host" if rules.intercept.everything else ", ".join(r.text for r in rules.intercept.rules)
         out.append(f"{indent}intercepts TLS (methods and headers checked inside HTTPS) for: {what}")
+    if rules.request_rules:
+        out.append(f"{indent}request rules: {len(rules.request_rules)}, first match wins "
+                   f"({rules.request_rules.rules[0].origin} to {rules.request_rules.rules[-1].origin})")
     if rules.private_networks:
         out.append(f"{indent}private networks opened: {', '.join(e.rule.text for e in rules.private_networks.entries)}")
     else:
@@ -266,6 +270,7 @@ def policy_warnings(policy: Policy, root: yaml.Node) -> list[Problem]:
         scopes.append((profile.name, profile.rules, own))
 
     out: list[Problem] = []
+    out += _rule_warnings(policy)
     for name, rules, own in scopes:
         if "CONNECT" not in rules.methods:
             continue  # tunnels to hosts not intercepted are refused (or, in report mode, logged as such)
@@ -288,6 +293,21 @@ def policy_warnings(policy: Policy, root: yaml.Node) -> list[Problem]:
                 f"https:// URLs to {unseen}: such a request is a CONNECT tunnel whose headers the proxy never sees. "
                 "Intercept those hosts (`intercept:`; the client must then trust `sluice ca`), or leave CONNECT out of "
                 "`methods` to refuse those tunnels")))
+    return out
+
+
+def _rule_warnings(policy: Policy) -> list[Problem]:
+    """Request rules that never decide (shadowed by an earlier one) and
+    path patterns differing only by case, once per rule list (a profile
+    that inherits the top level's list shares its warnings)."""
+    out: list[Problem] = []
+    seen: set[int] = set()
+    for rules in [policy.rules] + [p.rules for p in policy.clients]:
+        if id(rules.request_rules) in seen:
+            continue
+        seen.add(id(rules.request_rules))
+        for rule, message in rule_warnings(rules.request_rules, pattern_intercepted):
+            out.append(Problem(policy.source, rule.line, rule.column, f"warning: {message}"))
     return out
 
 
