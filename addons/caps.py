@@ -16,6 +16,7 @@ from mitmproxy import connection, http
 from mitmproxy.connection import ConnectionState
 from mitmproxy.proxy.server_hooks import ServerConnectionHookData
 
+from sluice import connstate
 from sluice.addons import connections, mitm_patches
 from sluice.addons.audit import AuditLog
 from sluice.addons.failsafe import fail_closed
@@ -41,8 +42,9 @@ class Caps:
         self.audit = audit
         self._request_deadlines: dict[str, asyncio.TimerHandle] = {}  # flow id
         self._connect_deadlines: dict[str, asyncio.TimerHandle] = {}  # server id
-        self._tunnel_deadlines: dict[str, list[asyncio.TimerHandle]] = {}  # client id
-        self._connect_timeouts: dict[str, Refusal] = {}  # client id -> the timeout that hit
+        # Per client connection, in its ConnState (sluice/connstate.py): its
+        # tunnels' time caps, and the connect-time refusal (timeout, no fd,
+        # upstreams busy) its failing exchange is answered with.
 
     def load(self, loader) -> None:
         mitm_patches.set_stream_cap_listener(self)
@@ -81,7 +83,7 @@ class Caps:
         if server.timestamp_tcp_setup is not None or server.error:
             return
         address = server.address[0] if server.address else "the origin"
-        self._connect_timeouts[client.id] = Refusal(
+        connstate.state_of(client).connect_refusal = Refusal(
             Reason.CONNECT_TIMEOUT, f"{address} did not accept a connection within {seconds:g}s"
         )
         connections.cancel_connect(client, server)
@@ -98,12 +100,12 @@ class Caps:
         if data.server.error and mitm_patches.OUT_OF_FILES_DIAL in data.server.error:
             # No fd for the dial (addons/open_files.py reported it): answered
             # like a connect timeout, as a refusal the client can act on.
-            self._connect_timeouts[data.client.id] = Refusal(
+            connstate.state_of(data.client).connect_refusal = Refusal(
                 Reason.TOO_MANY_CONNECTIONS, f"{mitm_patches.OUT_OF_FILES_DIAL}; it is overloaded",
                 advice="Retry in a few seconds, with fewer connections open.")
         elif data.server.error and mitm_patches.UPSTREAMS_BUSY in data.server.error:
             # addons/upstreams.py: every upstream this client connection may hold is in use.
-            self._connect_timeouts[data.client.id] = Refusal(
+            connstate.state_of(data.client).connect_refusal = Refusal(
                 Reason.TOO_MANY_CONNECTIONS, data.server.error.split("] ", 1)[-1],
                 advice="Finish an exchange (or use another client connection), then retry.")
 
@@ -111,10 +113,8 @@ class Caps:
         if self.source.current is not None:
             connections.set_idle_timeout(client, self.source.current.policy.rules.limits.idle_timeout)
 
-    def client_disconnected(self, client: connection.Client) -> None:
-        self._connect_timeouts.pop(client.id, None)
-        for handle in self._tunnel_deadlines.pop(client.id, ()):
-            handle.cancel()
+    # client_disconnected: addons/conn_release.py cancels the tunnels' time
+    # caps and drops the connect refusal with the rest of the ConnState.
 
     # ---- HTTP exchanges ----------------------------------------------------
 
@@ -160,7 +160,7 @@ class Caps:
         self._finish(flow)
 
     def error(self, flow: http.HTTPFlow) -> None:
-        timeout = self._connect_timeouts.pop(flow.client_conn.id, None)
+        timeout = _take_connect_refusal(flow.client_conn)
         verdict = verdict_of(flow)
         if timeout is not None and verdict is not None and verdict.cap is None and not verdict.response_started:
             verdict.cap = timeout
@@ -173,7 +173,7 @@ class Caps:
         self._finish(flow)
 
     def http_connect_error(self, flow: http.HTTPFlow) -> None:
-        timeout = self._connect_timeouts.pop(flow.client_conn.id, None)
+        timeout = _take_connect_refusal(flow.client_conn)
         verdict = verdict_of(flow)
         if timeout is not None and verdict is not None:
             verdict.cap = timeout
@@ -227,7 +227,7 @@ class Caps:
             seconds, self.cut_tunnel, client, verdict,
             Refusal(Reason.TUNNEL_TIMEOUT, f"the tunnel stayed open longer than this policy's {seconds:g}s tunnel cap"),
         )
-        self._tunnel_deadlines.setdefault(client.id, []).append(handle)
+        connstate.state_of(client).tunnel_deadlines.append(handle)
 
     def meter_tunnel(self, client: connection.Client, server: connection.Server, verdict: Verdict) -> None:
         """Count a passed-through tunnel's bytes in each direction and cut it
@@ -257,6 +257,14 @@ class Caps:
         verdict.cap = refusal
         connections.close_client(client)
         self.audit.tunnel_line(verdict, client)
+
+
+def _take_connect_refusal(client: connection.Client) -> Refusal | None:
+    state = connstate.peek(client)
+    if state is None:
+        return None
+    refusal, state.connect_refusal = state.connect_refusal, None
+    return refusal
 
 
 class _BodyCounter:

@@ -46,11 +46,12 @@ from mitmproxy import connection, ctx, http
 from mitmproxy.proxy import mode_specs
 from mitmproxy.proxy.server_hooks import ServerConnectionHookData
 
+from sluice import connstate
 from sluice.addons import connections, mitm_patches
 from sluice.addons.audit import AuditLog, peer, quote_client
 from sluice.addons.refusals import REASON_HEADER, error_bytes, error_response, refusal_body, refusal_bytes, refusal_response
 from sluice.addons.verdict import Verdict, verdict_of
-from sluice.policy.decide import ALLOWED_SCHEMES, Decision, scheme_refusal
+from sluice.policy.decide import ALLOWED_SCHEMES, scheme_refusal
 from sluice.policy.reasons import Reason, Refusal
 
 # flow.metadata key: mitmproxy found the request invalid (its message) and answers 400 itself.
@@ -65,16 +66,15 @@ SOCKS5_COMMANDS = {1: "CONNECT", 2: "BIND", 3: "UDP ASSOCIATE"}
 class ConnectionAudit:
     def __init__(self, audit: AuditLog) -> None:
         self.audit = audit
-        # client id -> the proxy-loop refusal of its last dial, until the
-        # flow that dialled takes it (or the connection ends without one).
-        self._loops: dict[str, tuple[Refusal, str, int]] = {}
-        # client id -> the refusal its pending mitmproxy error page becomes
-        # (the one its audit line records), until `error_page` takes it.
-        self._answers: dict[str, Refusal] = {}
-        # client id -> a bad-head refusal mitmproxy already answered before
-        # any flow, for the flow that may still follow it (a head that
-        # parsed but whose body framing did not).
-        self._answered: dict[str, Refusal] = {}
+        # Per client connection, in its ConnState (sluice/connstate.py):
+        # `loop`, the proxy-loop refusal of its last dial, until the flow that
+        # dialled takes it (or the connection ends without one: its line is
+        # written on release, addons/conn_release.py); `error_page`, the
+        # refusal its pending mitmproxy error page becomes (the one its audit
+        # line records), until `error_page` takes it; `answered`, a bad-head
+        # refusal mitmproxy already answered before any flow, for the flow
+        # that may still follow it (a head that parsed but whose body framing
+        # did not).
 
     def load(self, loader) -> None:
         mitm_patches.install()  # idempotent; the refusal patches report here
@@ -127,7 +127,11 @@ class ConnectionAudit:
         invalid = flow.metadata.pop(INVALID, None)
         if invalid is not None:
             self._invalid_request(flow, invalid)
-        answered = self._answered.pop(flow.client_conn.id, None)
+        state = connstate.peek(flow.client_conn)
+        answered = state.answered if state is not None else None
+        loop = state.loop if state is not None else None
+        if state is not None:
+            state.answered = state.loop = None
         verdict = verdict_of(flow)
         if answered is not None and invalid is None and verdict is not None:
             # The head parsed, its framing did not: mitmproxy answered 400
@@ -135,7 +139,6 @@ class ConnectionAudit:
             verdict.decision = dataclasses.replace(verdict.decision, allowed=False, refusal=answered, would_refuse=None)
             verdict.cap = None
             verdict.wire_status = answered.status
-        loop = self._loops.pop(flow.client_conn.id, None)
         if loop is not None:
             self._loop_flow(flow, *loop)
 
@@ -169,7 +172,7 @@ class ConnectionAudit:
         operator's note for its rules, or the top level's)."""
         rules = verdict.rules if verdict is not None and verdict.rules is not None else None
         note = rules.refusal_note if rules is not None else _top_note()
-        self._answers[client.id] = refusal.with_note(note)
+        connstate.state_of(client).error_page = refusal.with_note(note)
 
     def error_page(self, client: connection.Client, status: int, message: str, *, in_tunnel: bool) -> bytes | None:
         """mitm_patches `http1_error_pages`: the bytes sent instead of
@@ -177,10 +180,10 @@ class ConnectionAudit:
         line says the same); else, for a 400 (a head mitmproxy cannot
         parse, audited by `client_refused`), that refusal; else (the origin
         failed: no rule refused anything) plain text with mitmproxy's status."""
-        refusal = self._answers.pop(client.id, None)
+        state = connstate.state_of(client)
+        refusal, state.error_page = state.error_page, None
         if refusal is None and status == 400:
-            refusal = _bad_head(message, in_tunnel).with_note(_top_note())
-            self._answered[client.id] = refusal
+            refusal = state.answered = _bad_head(message, in_tunnel).with_note(_top_note())
         if refusal is not None:
             return refusal_bytes(refusal)
         return error_bytes(status, _gate_message(message))
@@ -194,7 +197,7 @@ class ConnectionAudit:
         host, port = server.address[:2]
         refusal = Refusal(Reason.PROXY_LOOP, f"{quote_client(str(host), 100)}:{port} is this proxy's own listening address, not a destination")
         server.error = f"{refusal.reason.value}: {refusal.message}"  # why mitmproxy's dial failed
-        self._loops[data.client.id] = (refusal, str(host), port)
+        connstate.state_of(data.client).loop = (refusal, str(host), port)
         if isinstance(data.client.proxy_mode, mode_specs.Socks5Mode):
             # As the gate answers its SOCKS5 refusals: REP 2, not "host unreachable".
             connections.write_to_client(data.client, SOCKS5_NOT_ALLOWED)
@@ -222,13 +225,8 @@ class ConnectionAudit:
         verdict.decision = dataclasses.replace(verdict.decision, allowed=False, refusal=refusal, would_refuse=None)
         verdict.wire_status = status
 
-    def client_disconnected(self, client: connection.Client) -> None:
-        self._answers.pop(client.id, None)
-        self._answered.pop(client.id, None)
-        loop = self._loops.pop(client.id, None)
-        if loop is not None:  # no flow took it (SOCKS5, transparent)
-            refusal, host, port = loop
-            self.audit.refused_connection(client, host, port, Decision(False, None, refusal, port=port), None)
+    # client_disconnected: a loop no flow took (SOCKS5, transparent) gets its
+    # line when addons/conn_release.py releases the ConnState.
 
     # ---- refusals with no hook at all (mitm_patches listener) --------------
 
@@ -241,7 +239,9 @@ class ConnectionAudit:
             self.audit.write(event="connection", client=peer(client), decision="refuse",
                              reason=reason.value, detail=detail)
         elif kind == mitm_patches.HTTP_BAD_HEAD:
-            self._answered.pop(client.id, None)  # no flow follows: this is its line
+            state = connstate.peek(client)
+            if state is not None:
+                state.answered = None  # no flow follows: this is its line
             refusal = _bad_head(message, in_tunnel)
             self.audit.write(event="request", client=peer(client), decision="refuse", reason=refusal.reason.value,
                              status=refusal.status, detail=refusal.detail)

@@ -24,10 +24,11 @@ import asyncio
 import logging
 import sys
 import time
-from typing import Any, Callable
+from typing import Callable
 
 from mitmproxy import ctx, http
 
+from sluice import connstate
 from sluice.addons import connections
 from sluice.addons.verdict import verdict_of
 from sluice.policy.reasons import SHUTDOWN_ADVICE, Reason, Refusal
@@ -37,12 +38,12 @@ POLL_SECONDS = 0.05
 
 
 class Drain:
-    def __init__(self, caps, tunnels: Callable[[], Any], on_drain: Callable[[], None] | None = None) -> None:
+    def __init__(self, caps, on_drain: Callable[[], None] | None = None) -> None:
         self.caps = caps
-        self.tunnels = tunnels  # the open tunnels' verdicts (the gate's table)
         self.on_drain = on_drain  # told when the drain starts (Status: /readyz turns 503)
         self.timeout = 30.0
-        self._flows: dict[str, dict[str, http.HTTPFlow]] = {}  # client id -> flow id -> exchange in flight
+        # The exchanges in flight are in each client connection's ConnState
+        # (`in_flight`, sluice/connstate.py), its tunnels and pipes too.
         self._task: asyncio.Task | None = None
         self._now = asyncio.Event()
 
@@ -50,7 +51,7 @@ class Drain:
 
     def requestheaders(self, flow: http.HTTPFlow) -> None:
         if flow.request.method != "CONNECT":
-            self._flows.setdefault(flow.client_conn.id, {})[flow.id] = flow
+            connstate.state_of(flow.client_conn).in_flight[flow.id] = flow
 
     def response(self, flow: http.HTTPFlow) -> None:
         self._done(flow)
@@ -59,27 +60,20 @@ class Drain:
         self._done(flow)
 
     def _done(self, flow: http.HTTPFlow) -> None:
-        flows = self._flows.get(flow.client_conn.id)
-        if flows is not None:
-            flows.pop(flow.id, None)
-            if not flows:
-                del self._flows[flow.client_conn.id]
-
-    def client_disconnected(self, client) -> None:
-        self._flows.pop(client.id, None)
+        state = connstate.peek(flow.client_conn)
+        if state is not None:
+            state.in_flight.pop(flow.id, None)
 
     def _open_tunnels(self) -> list:
         """Raw tunnels and upgraded (WebSocket) pipes: both carry bytes no
         request hook sees, so both get the drain timeout and, if still open
         then, a `shutdown` line (a pipe is not an exchange in flight once
         its 101 has gone out)."""
-        guard = ctx.master.addons.get("upgradeguard") if getattr(ctx, "master", None) is not None else None
-        pipes = guard.open_pipes() if guard is not None else []
-        return [v for v in [*self.tunnels(), *pipes]
+        return [v for v in [*connstate.open_tunnels(), *connstate.open_pipes()]
                 if not v.logged and v.cap is None and v.client is not None and not v.intercept]
 
     def in_flight(self) -> int:
-        return sum(map(len, self._flows.values())) + len(self._open_tunnels())
+        return sum(len(state.in_flight) for _, state in connstate.states()) + len(self._open_tunnels())
 
     # ---- the signal ------------------------------------------------------------
 
@@ -126,14 +120,16 @@ class Drain:
         refusal = Refusal(Reason.SHUTDOWN, f"the proxy shut down before this finished (drain timeout {self.timeout:g}s)",
                           advice=SHUTDOWN_ADVICE)
         cut = 0
-        for flow in [f for flows in list(self._flows.values()) for f in list(flows.values())]:
+        flows = [f for _, state in connstate.states() for f in list(state.in_flight.values())]
+        for _, state in connstate.states():
+            state.in_flight.clear()
+        for flow in flows:
             verdict = verdict_of(flow)
             if verdict is not None and verdict.cap is None and not verdict.logged:
                 self.caps.cut(flow, refusal)
                 cut += 1
             else:
                 connections.close_client(flow.client_conn)
-        self._flows.clear()
         for verdict in self._open_tunnels():
             self.caps.cut_tunnel(verdict.client, verdict, refusal)
             cut += 1

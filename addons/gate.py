@@ -51,6 +51,7 @@ from mitmproxy.proxy.layers import modes
 from mitmproxy.proxy.layers.http import HTTPMode
 from mitmproxy.proxy.server_hooks import ServerConnectionHookData
 
+from sluice import connstate
 from sluice.addons import connections, mitm_patches
 from sluice.addons.audit import AuditLog, peer, quote_client
 from sluice.addons.failsafe import fail_closed
@@ -81,15 +82,10 @@ class EgressGate:
         self.audit = audit
         self.caps = caps
         self.identity = ClientIdentifier()
-        # client id -> {(ip, port): the rules that approved it}: what the gate
-        # approved and pinned for that client connection. server_connect
-        # knows from it that the host rules were applied; the dial check and
-        # the connected-peer check admit nothing else.
-        self._approved: dict[str, dict[tuple[str, int], Rules]] = {}
-        # tunnel server connection id -> the tunnel's verdict (its real host),
-        # and client id -> those server ids, for clean-up.
-        self._tunnels: dict[str, Verdict] = {}
-        self._client_tunnels: dict[str, list[str]] = {}
+        # What the gate approved and pinned for each client connection, and
+        # its tunnels, are in its ConnState (sluice/connstate.py): `approved`
+        # tells server_connect the host rules were applied, and the dial
+        # check and the connected-peer check admit nothing else.
 
     def load(self, loader) -> None:
         mitm_patches.install()
@@ -108,7 +104,7 @@ class EgressGate:
     async def requestheaders(self, flow: http.HTTPFlow) -> None:
         if flow.response is not None or flow.request.method == "CONNECT":
             return
-        tunnel = self._tunnels.get(flow.server_conn.id)
+        tunnel = tunnel_of(flow.client_conn, flow.server_conn)
         if tunnel is not None:
             # Proxy credentials are for the proxy, in every mode: never forwarded.
             flow.request.headers.pop(PROXY_AUTHORIZATION, None)
@@ -128,7 +124,7 @@ class EgressGate:
     async def http_connect(self, flow: http.HTTPFlow) -> None:
         if flow.response is not None:
             return
-        tunnel = self._tunnels.get(flow.server_conn.id)
+        tunnel = tunnel_of(flow.client_conn, flow.server_conn)
         if tunnel is not None:
             # mitmproxy would treat the tunnel's origin as an upstream proxy
             # and repoint the tunnel's server: a tunnel names one host only.
@@ -282,7 +278,7 @@ class EgressGate:
     def _refuse_dial(self, data: ServerConnectionHookData, host: str, port: int, decision: Decision, profile: str | None) -> None:
         data.server.error = f"{decision.refusal.reason.value}: {decision.refusal.message}"
         self.audit.refused_connection(data.client, host, port, decision, profile)
-        if isinstance(data.client.proxy_mode, mode_specs.Socks5Mode) and not self._approved.get(data.client.id):
+        if isinstance(data.client.proxy_mode, mode_specs.Socks5Mode) and not _has_approvals(data.client):
             # mitmproxy would answer "host unreachable" (REP 4); a policy
             # refusal is "connection not allowed by ruleset" (REP 2), which
             # tells a SOCKS client not to retry. Nothing else reaches it after.
@@ -298,7 +294,7 @@ class EgressGate:
         request approves its address again right before it dials or reuses
         a connection), plus those of the connection's open tunnels, which
         mitmproxy may dial again for the requests inside."""
-        approved = self._approved.setdefault(client.id, {})
+        approved = connstate.state_of(client).approved
         key = (_canonical_ip(address) or address, port)
         approved.pop(key, None)
         approved[key] = rules  # most recent last
@@ -311,9 +307,9 @@ class EgressGate:
 
     def _tunnel_addresses(self, client: connection.Client) -> set[tuple[str, int]]:
         out = set()
-        for server_id in self._client_tunnels.get(client.id, ()):
-            tunnel = self._tunnels.get(server_id)
-            if tunnel is not None and tunnel.decision.address:
+        state = connstate.peek(client)
+        for tunnel in state.tunnels.values() if state is not None else ():
+            if tunnel.decision.address:
                 out.add((_canonical_ip(tunnel.decision.address) or tunnel.decision.address, tunnel.port))
         return out
 
@@ -324,27 +320,21 @@ class EgressGate:
         return self._approved_rules(client, *server.address)
 
     def tunnel_server_ids(self, client: connection.Client) -> set[str]:
-        return set(self._client_tunnels.get(client.id, ()))
+        state = connstate.peek(client)
+        return set(state.tunnels) if state is not None else set()
 
     def _approved_rules(self, client: connection.Client, host: str, port: int) -> Rules | None:
         ip = _canonical_ip(host)
-        return self._approved.get(client.id, {}).get((ip, port)) if ip is not None else None
+        state = connstate.peek(client)
+        return state.approved.get((ip, port)) if ip is not None and state is not None else None
 
     def _remember_tunnel(self, client: connection.Client, server: connection.Server, verdict: Verdict) -> None:
         verdict.client = client
-        self._tunnels[server.id] = verdict
-        self._client_tunnels.setdefault(client.id, []).append(server.id)
+        connstate.state_of(client).tunnels[server.id] = verdict
         self.caps.watch_tunnel(client, verdict)
 
-    def client_disconnected(self, client: connection.Client) -> None:
-        self._approved.pop(client.id, None)
-        self.identity.forget(client)
-        for server_id in self._client_tunnels.pop(client.id, ()):
-            tunnel = self._tunnels.pop(server_id, None)
-            if tunnel is not None:
-                # The tunnel's own decision line (an intercepted one's requests
-                # have theirs too); tunnel_line writes it once.
-                self.audit.tunnel_line(tunnel, client)
+    # client_disconnected: addons/conn_release.py releases the approvals and
+    # the tunnels (writing each tunnel's line) with the rest of the ConnState.
 
     # ---- what runs inside a tunnel ---------------------------------------
 
@@ -377,7 +367,7 @@ class EgressGate:
                            "(set HTTP_PROXY/HTTPS_PROXY to http://host:port; HTTPS still goes through CONNECT)",
                 )
             return  # the proxy's own HTTP front door: plain HTTP/1
-        tunnel = self._tunnels.get(context.server.id)
+        tunnel = tunnel_of(context.client, context.server)
         if tunnel is not None and tunnel.intercept:
             chosen = nextlayer.layer
             if chosen is None or isinstance(chosen, (layers.ServerTLSLayer, layers.ClientTLSLayer, layers.HttpLayer)):
@@ -404,7 +394,7 @@ class EgressGate:
         if peer_ip is None or self._approved_rules(data.client, peer_ip, port) is None:
             self._pin_mismatch(data.client, data.server, f"the upstream connection's peer {data.server.peername} was never approved for this client connection")
             return
-        tunnel = self._tunnels.get(data.server.id)
+        tunnel = tunnel_of(data.client, data.server)
         if tunnel is not None:
             self.caps.meter_tunnel(data.client, data.server, tunnel)
 
@@ -449,15 +439,27 @@ class EgressGate:
         (pinned addresses kept); close those the policy now refuses, or whose
         client matches no profile any more. The requests inside an
         intercepted tunnel then follow that profile (credentials included)."""
-        for client_id, server_ids in list(self._client_tunnels.items()):
-            for server_id in server_ids:
-                tunnel = self._tunnels.get(server_id)
-                if tunnel is None or tunnel.logged or tunnel.cap is not None or tunnel.client is None:
+        for _, state in connstate.states():
+            for tunnel in list(state.tunnels.values()):
+                if tunnel.logged or tunnel.cap is not None or tunnel.client is None:
                     continue
                 refusal = redecide(live.policy, tunnel)
                 if refusal is not None:
                     self.caps.cut_tunnel(tunnel.client, tunnel, Refusal(
                         Reason.TUNNEL_REVOKED, f"the reloaded policy refuses this tunnel ({refusal.reason.value}: {refusal.detail})"))
+
+
+def tunnel_of(client: connection.Client, server: connection.Server | None) -> Verdict | None:
+    """The verdict of the tunnel (CONNECT, SOCKS5, transparent) this server
+    connection of this client connection carries, if any."""
+    state = connstate.peek(client)
+    return state.tunnels.get(server.id) if state is not None and server is not None else None
+
+
+
+def _has_approvals(client: connection.Client) -> bool:
+    state = connstate.peek(client)
+    return bool(state is not None and state.approved)
 
 
 def _user(policy: Policy, authorization: str | None) -> str | None:

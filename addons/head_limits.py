@@ -30,6 +30,7 @@ from mitmproxy import connection, http
 from mitmproxy.net.http import http1
 from mitmproxy.proxy import mode_specs
 
+from sluice import connstate
 from sluice.addons import connections, mitm_patches
 from sluice.addons.audit import AuditLog, peer
 from sluice.addons.policy_source import PolicySource
@@ -60,8 +61,8 @@ class HeadLimits:
     def __init__(self, source: PolicySource, audit: AuditLog) -> None:
         self.source = source
         self.audit = audit
-        # client id -> the deadline for its first request head or SOCKS5 handshake
-        self._first_deadlines: dict[str, asyncio.TimerHandle] = {}
+        # The deadline for each client connection's first request head or
+        # SOCKS5 handshake is its ConnState's `head_deadline` (sluice/connstate.py).
 
     def load(self, loader) -> None:
         mitm_patches.set_head_guard(self)
@@ -93,9 +94,9 @@ class HeadLimits:
         return refusal_bytes(refusal)
 
     def head_complete(self, client: connection.Client) -> None:
-        handle = self._first_deadlines.pop(client.id, None)
-        if handle is not None:
-            handle.cancel()
+        state = connstate.peek(client)
+        if state is not None:
+            state.cancel_head_deadline()
 
     # ---- the first request head or SOCKS5 handshake, from accept --------------
 
@@ -103,14 +104,13 @@ class HeadLimits:
         if client.error or not isinstance(client.proxy_mode, (mode_specs.RegularMode, mode_specs.Socks5Mode)):
             return  # refused at accept, or transparent (its destination is known already)
         limits = self.head_limits()
-        self._first_deadlines[client.id] = asyncio.get_running_loop().call_later(
+        connstate.state_of(client).head_deadline = asyncio.get_running_loop().call_later(
             limits.header_timeout, self._first_deadline_expired, client, limits.header_timeout)
 
-    def client_disconnected(self, client: connection.Client) -> None:
-        self.head_complete(client)
-
     def _first_deadline_expired(self, client: connection.Client, seconds: float) -> None:
-        self._first_deadlines.pop(client.id, None)
+        state = connstate.peek(client)
+        if state is not None:
+            state.head_deadline = None
         socks = isinstance(client.proxy_mode, mode_specs.Socks5Mode)
         if socks and connections.destination_named(client):
             return  # the handshake named a destination: done

@@ -4,8 +4,8 @@ profile by policy.clients (`identify`, then `checked`).
 
 A SOCKS5 client authenticates once, in its handshake (`socks5_login`, from
 the gate's `socks5_auth` hook), before it names a destination; the profile
-its credentials matched is kept by client connection id until the
-connection ends (`forget`), and every `match` for that connection (the
+its credentials matched is kept in the connection's ConnState
+(sluice/connstate.py) until the connection ends, and every `match` for that connection (the
 gate's `server_connect`) uses it, with the live policy's rules for it.
 
 Password verifiers (PBKDF2, 40-120 ms a check) must never stall the proxy:
@@ -48,6 +48,7 @@ from concurrent.futures import ThreadPoolExecutor
 from mitmproxy import connection
 from mitmproxy.proxy import mode_specs
 
+from sluice import connstate
 from sluice.addons.audit import quote_client
 
 from sluice.policy.clients import (
@@ -110,6 +111,11 @@ def _throttle_key(source: str | None, ipv6_prefix: int = 64) -> str | None:
     usually holds whole (per-address counting would let it rotate addresses).
     The quotas count sources the same way."""
     return source_group(source, ipv6_prefix)
+
+
+def _socks_login(client: connection.Client) -> tuple[str | None, str] | None:
+    state = connstate.peek(client)
+    return state.socks_login if state is not None else None
 
 
 def _source(client: connection.Client) -> str | None:
@@ -197,11 +203,11 @@ class ClientIdentifier:
         # Keys the success cache: its keys reveal nothing about passwords,
         # even to someone who reads the process's memory without this secret.
         self._cache_secret = os.urandom(32)
-        # client connection id -> (the profile its SOCKS5 login matched, the username).
-        self._socks_logins: dict[str, tuple[str | None, str]] = {}
+        # A client connection's SOCKS5 login (the profile it matched, the
+        # username) is its ConnState's `socks_login` (sluice/connstate.py).
 
     async def match(self, policy: Policy, client: connection.Client, authorization: str | None) -> ClientMatch:
-        login = self._socks_logins.get(getattr(client, "id", None)) if authorization is None else None
+        login = _socks_login(client) if authorization is None else None
         if login is not None:
             # Identified by its SOCKS5 login: that profile, with today's rules.
             return profile_match(policy, login[0])
@@ -228,7 +234,7 @@ class ClientIdentifier:
         step = identify(policy, source, username, password, VIA_SOCKS5)
         result = await self._check(policy, source, step, password) if isinstance(step, PasswordCheck) else step
         if result.refusal is None:
-            self._socks_logins[client.id] = (result.profile, username)
+            connstate.state_of(client).socks_login = (result.profile, username)
         return result
 
     def identity(self, policy: Policy, client: connection.Client, authorization: str | None,
@@ -237,7 +243,7 @@ class ClientIdentifier:
         kept with its tunnels so a reload can match it again (`rematch`)."""
         if match.refusal is not None:
             return None
-        login = self._socks_logins.get(client.id) if authorization is None else None
+        login = _socks_login(client) if authorization is None else None
         if login is not None:
             username = login[1]
         else:
@@ -247,12 +253,9 @@ class ClientIdentifier:
 
     def socks5_user(self, client: connection.Client) -> str | None:
         """The username this connection's SOCKS5 login matched, for the audit log."""
-        login = self._socks_logins.get(client.id)
+        login = _socks_login(client)
         return quote_client(login[1], 64) if login is not None else None
 
-    def forget(self, client: connection.Client) -> None:
-        """The client connection ended: drop its SOCKS5 login."""
-        self._socks_logins.pop(client.id, None)
 
     async def _check(self, policy: Policy, source: str | None, check: PasswordCheck, password: str) -> ClientMatch:
         source = _throttle_key(source, policy.rules.limits.ipv6_client_prefix)

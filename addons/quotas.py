@@ -62,23 +62,25 @@ import asyncio
 import resource
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 from mitmproxy import connection, http
 from mitmproxy.proxy import mode_specs
 from mitmproxy.proxy.server_hooks import ServerConnectionHookData
 
+from sluice import connstate
 from sluice.addons import connections
 from sluice.addons.audit import AuditLog, peer
 from sluice.addons.caps import Caps
 from sluice.addons.failsafe import fail_closed
-from sluice.addons.gate import SOCKS5_NOT_ALLOWED, EgressGate
+from sluice.addons.gate import SOCKS5_NOT_ALLOWED, EgressGate, tunnel_of
 from sluice.addons.policy_source import PolicySource
 from sluice.addons.refusals import noted, refusal_response
 from sluice.addons.verdict import Verdict, verdict_of
 from sluice.policy import quotas
 from sluice.policy.clients import VIA_SOURCE, identify
 from sluice.policy.model import Limits
+from sluice.connstate import QuotaSlots
 from sluice.policy.quotas import Counters, MemoryCounters, source_group
 from sluice.policy.reasons import Reason, Refusal
 
@@ -106,20 +108,6 @@ class TransferCharge:
         return quotas.transfer_refusal(self.limits, resets_in, cut=True)
 
 
-@dataclass(slots=True)
-class _Conn:
-    """What one client connection holds."""
-
-    source: str | None
-    total: bool = False  # counted in max_total_connections
-    admitted: bool = False  # counted in its source's max_connections
-    shared: bool = False  # counted in its source's share of max_total_connections
-    identified: bool = False  # its first request checked max_connections
-    tunnels: list[tuple] = field(default_factory=list)  # tunnel keys held
-    connects: dict[str, tuple] = field(default_factory=dict)  # CONNECT (or WebSocket upgrade) flow id -> the tunnel key it took
-    servers: list[str] = field(default_factory=list)  # server ids waiting to be metered
-
-
 class Quotas:
     def __init__(self, source: PolicySource, audit: AuditLog, caps: Caps, gate: EgressGate,
                  counters: Counters | None = None, clock: Callable[[], float] = time.monotonic) -> None:
@@ -129,16 +117,18 @@ class Quotas:
         self.gate = gate
         self.counters: Counters = counters if counters is not None else MemoryCounters()
         self.clock = clock
-        self._conns: dict[str, _Conn] = {}  # client id
-        # server id -> (tunnel verdict, client key, limits): tunnels whose
-        # bytes count against a transfer quota, metered once connected.
-        self._meters: dict[str, tuple[Verdict, tuple, Limits]] = {}
+        # Per client connection, in its ConnState (sluice/connstate.py): the
+        # slots it holds (`quota`, released with the state on disconnect by
+        # addons/conn_release.py), and `transfer_meters`, server id ->
+        # (tunnel verdict, client key, limits) for tunnels whose bytes count
+        # against a transfer quota, metered once connected.
 
     # ---- connections ---------------------------------------------------------
 
     def client_connected(self, client: connection.Client) -> None:
         live = self.source.current
-        state = self._conns[client.id] = _Conn(_source_group(client, live))
+        state = connstate.state_of(client).quota
+        state.counters, state.source = self.counters, _source_group(client, live)
         limit, derived = _total_limit(live)
         why = quotas.admit_total(self.counters, limit)
         if why is None:
@@ -152,7 +142,7 @@ class Quotas:
                          reason=Reason.TOO_MANY_CONNECTIONS.value, detail=why)
         client.error = f"{Reason.TOO_MANY_CONNECTIONS.value}: {why}"  # mitmproxy closes it before reading
 
-    def _accept(self, client: connection.Client, state: _Conn, live, total: int) -> str | None:
+    def _accept(self, client: connection.Client, state: QuotaSlots, live, total: int) -> str | None:
         """A connection admitted under max_total_connections: it takes a slot
         of its source's share (closed now if the share is full), and counts
         against its source's max_connections from now on, with the value of
@@ -167,23 +157,8 @@ class Quotas:
             state.admitted = True
         return None
 
-    def client_disconnected(self, client: connection.Client) -> None:
-        state = self._conns.pop(client.id, None)
-        if state is None:
-            return
-        if state.total:
-            self.counters.release(quotas.TOTAL_KEY)
-        if state.shared:
-            self.counters.release(quotas.source_slots_key(state.source))
-        if state.admitted:
-            self.counters.release(quotas.connection_key(state.source))
-        for key in state.tunnels:
-            self.counters.release(key)
-        for server_id in state.servers:
-            self._meters.pop(server_id, None)
-
     def _admit_connection(self, client: connection.Client, limits: Limits) -> Refusal | None:
-        state = self._conns.get(client.id)
+        state = _slots(client)
         if state is None or state.identified:
             return None
         state.identified = True  # its first request (or dial): checked once
@@ -198,7 +173,7 @@ class Quotas:
         refusal = quotas.admit_tunnel(self.counters, limits, key)
         if refusal is None:
             tunnel = quotas.tunnel_key(key)
-            state = self._conns.get(client.id)
+            state = _slots(client)
             if state is None:  # not seen connecting (cannot happen): hold nothing
                 self.counters.release(tunnel)
             else:
@@ -217,7 +192,7 @@ class Quotas:
         if verdict is None or verdict.rules is None or not verdict.decision.allowed:
             return
         limits = verdict.rules.limits
-        inside = self.gate._tunnels.get(flow.server_conn.id) is not None  # its tunnel's connection was counted
+        inside = tunnel_of(flow.client_conn, flow.server_conn) is not None  # its tunnel's connection was counted
         refusal = None if inside else self._admit_connection(flow.client_conn, limits)
         key = self._client(verdict, flow.client_conn)
         if refusal is None:
@@ -257,11 +232,9 @@ class Quotas:
         self._release_slot(flow)
 
     def _release_slot(self, flow: http.HTTPFlow) -> None:
-        state = self._conns.get(flow.client_conn.id)
-        tunnel = state.connects.pop(flow.id, None) if state is not None else None
-        if tunnel is not None:
-            state.tunnels.remove(tunnel)
-            self.counters.release(tunnel)
+        state = _slots(flow.client_conn)
+        if state is not None:
+            state.release_connect(flow.id)
 
     def _refuse_flow(self, flow: http.HTTPFlow, verdict: Verdict, refusal: Refusal) -> None:
         if verdict.rules is not None and verdict.rules.action == "report":
@@ -305,7 +278,7 @@ class Quotas:
         server = data.server
         if server.error or server.address is None:
             return
-        tunnel = self.gate._tunnels.get(server.id)
+        tunnel = tunnel_of(data.client, server)
         if tunnel is None or tunnel.connect_id is not None or tunnel.rules is None or tunnel.logged:
             return  # not a SOCKS5 or transparent tunnel the gate just allowed
         limits = tunnel.rules.limits
@@ -339,13 +312,11 @@ class Quotas:
     # ---- tunnels' transfer -------------------------------------------------------
 
     def _meter_later(self, client: connection.Client, server: connection.Server, verdict: Verdict, key: tuple, limits: Limits) -> None:
-        self._meters[server.id] = (verdict, key, limits)
-        state = self._conns.get(client.id)
-        if state is not None:
-            state.servers.append(server.id)
+        connstate.state_of(client).transfer_meters[server.id] = (verdict, key, limits)
 
     def server_connected(self, data: ServerConnectionHookData) -> None:
-        entry = self._meters.pop(data.server.id, None)
+        state = connstate.peek(data.client)
+        entry = state.transfer_meters.pop(data.server.id, None) if state is not None else None
         if entry is None:
             return
         verdict, key, limits = entry
@@ -368,14 +339,22 @@ class Quotas:
         connections.meter_server(client, data.server, count)
 
     def server_connect_error(self, data: ServerConnectionHookData) -> None:
-        self._meters.pop(data.server.id, None)
+        state = connstate.peek(data.client)
+        if state is not None:
+            state.transfer_meters.pop(data.server.id, None)
 
     # ---- who -----------------------------------------------------------------
 
     def _client(self, verdict: Verdict, client: connection.Client) -> tuple:
-        state = self._conns.get(client.id)
+        state = _slots(client)
         source = state.source if state is not None else _source_group(client, self.source.current)
         return quotas.client_key(verdict.profile, verdict.user, source)
+
+
+def _slots(client: connection.Client) -> QuotaSlots | None:
+    """The slots this client connection holds, if it was seen connecting."""
+    state = connstate.peek(client)
+    return state.quota if state is not None and state.quota.counters is not None else None
 
 
 def _host(verdict: Verdict) -> str:

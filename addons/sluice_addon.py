@@ -9,8 +9,10 @@ runs right after the gate and its quotas, so after the gate's
 `strip_request_headers` and only on requests they let through.
 """
 
+from sluice import connstate
 from sluice.addons.audit import AuditLog
 from sluice.addons.caps import Caps
+from sluice.addons.conn_release import ConnRelease
 from sluice.addons.connection_audit import ConnectionAudit
 from sluice.addons.credentials import CredentialInjector
 from sluice.addons.gate import EgressGate
@@ -36,21 +38,20 @@ def make_addons(*, lifecycle: bool = False, metrics: bool = False) -> list:
     caps = Caps(source, audit)
     gate = EgressGate(source, audit, caps)
     operations: list = []
-    tunnels = lambda: gate._tunnels.values()  # noqa: E731 - the open tunnels' verdicts
     if lifecycle:
         from sluice.addons.admin import Status
         from sluice.addons.drain import Drain
 
         status = Status(audit, source)
-        operations += [status, Drain(caps, tunnels, status.drain)]
+        operations += [status, Drain(caps, status.drain)]
     on_drop = None
     if metrics:
         from sluice.addons.metrics import OTLP_DROPPED, Metrics
 
-        operations.append(Metrics(audit, source, tunnels))
+        operations.append(Metrics(audit, source, connstate.open_tunnels))
         on_drop = OTLP_DROPPED.inc
     operations.append(OtlpExport(audit, on_drop))  # off unless an endpoint is given (addons/otlp.py)
-    return [Guardrails(), source, ConnectionAudit(audit), OriginHeaders(), gate, Quotas(source, audit, caps, gate), Upstreams(gate, audit), CredentialInjector(source, audit), RedirectGuard(source), UpgradeGuard(caps, source), caps, HeadLimits(source, audit), audit, *operations]
+    return [Guardrails(), source, ConnectionAudit(audit), ConnRelease(audit), OriginHeaders(), gate, Quotas(source, audit, caps, gate), Upstreams(gate, audit), CredentialInjector(source, audit), RedirectGuard(source), UpgradeGuard(caps, source), caps, HeadLimits(source, audit), audit, *operations]
 
 
 addons = make_addons()

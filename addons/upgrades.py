@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from mitmproxy import http, tcp
 
+from sluice import connstate
 from sluice.addons.caps import Caps, size_text
 from sluice.addons.failsafe import fail_closed
 from sluice.addons.gate import redecide
@@ -39,11 +40,10 @@ class UpgradeGuard:
     def __init__(self, caps: Caps, source: PolicySource) -> None:
         self.caps = caps
         self.source = source
-        # client id -> its open upgraded pipes, which a reload re-decides.
-        self._pipes: dict[str, list[Verdict]] = {}
-        # server connection id -> (client id, the accepted upgrade's request
-        # verdict), until its TCP pipe starts.
-        self._accepted: dict[str, tuple[str, Verdict]] = {}
+        # Per client connection, in its ConnState (sluice/connstate.py):
+        # `accepted_upgrades`, server connection id -> the accepted upgrade's
+        # request verdict until its TCP pipe starts; then `pipes`, its open
+        # upgraded pipes, which a reload re-decides.
 
     def load(self, loader) -> None:
         self.source.on_reload(self.revoke_refused_pipes)
@@ -72,20 +72,20 @@ class UpgradeGuard:
             # other protocol crosses.
             self.caps.cut(flow, Refusal(Reason.UPGRADE_REFUSED, "the origin switched protocols to something other than a requested WebSocket"))
             return
-        self._accepted[flow.server_conn.id] = (flow.client_conn.id, verdict)
+        connstate.state_of(flow.client_conn).accepted_upgrades[flow.server_conn.id] = verdict
 
     def tcp_start(self, flow: tcp.TCPFlow) -> None:
-        accepted = self._accepted.pop(flow.server_conn.id, None)
-        if accepted is None:
+        state = connstate.peek(flow.client_conn)
+        upgraded = state.accepted_upgrades.pop(flow.server_conn.id, None) if state is not None else None
+        if upgraded is None:
             return
-        upgraded = accepted[1]
         pipe = Verdict(upgraded.host, upgraded.port, upgraded.decision, upgraded.profile, upgraded.rules,
                        method=upgraded.method)
         pipe.client = flow.client_conn
         pipe.user, pipe.connect_id, pipe.identity = upgraded.user, upgraded.connect_id, upgraded.identity
         pipe.transfer = upgraded.transfer
         flow.metadata[META] = pipe
-        self._pipes.setdefault(flow.client_conn.id, []).append(pipe)
+        state.pipes.append(pipe)
         self.caps.watch_tunnel(flow.client_conn, pipe)
 
     def tcp_message(self, flow: tcp.TCPFlow) -> None:
@@ -121,22 +121,16 @@ class UpgradeGuard:
 
     def open_pipes(self) -> list[Verdict]:
         """The pipes still open (the drain waits for them as for tunnels)."""
-        return [pipe for pipes in self._pipes.values() for pipe in pipes if not pipe.logged and pipe.cap is None]
+        return [pipe for pipe in connstate.open_pipes() if not pipe.logged and pipe.cap is None]
 
     def revoke_refused_pipes(self, live: LivePolicy) -> None:
         """After a reload, like the gate's tunnels: the pipe's client is
         matched again, and a pipe the new policy refuses (or whose client
         matches no profile any more) is closed."""
-        for pipes in list(self._pipes.values()):
-            for pipe in pipes:
-                if pipe.logged or pipe.cap is not None:
-                    continue
-                refusal = redecide(live.policy, pipe)
-                if refusal is not None:
-                    self.caps.cut_tunnel(pipe.client, pipe, Refusal(
-                        Reason.TUNNEL_REVOKED, f"the reloaded policy refuses this upgraded connection ({refusal.reason.value}: {refusal.detail})"))
-
-    def client_disconnected(self, client) -> None:
-        self._pipes.pop(client.id, None)
-        for server_id in [k for k, (client_id, _) in self._accepted.items() if client_id == client.id]:
-            self._accepted.pop(server_id, None)
+        for pipe in connstate.open_pipes():
+            if pipe.logged or pipe.cap is not None:
+                continue
+            refusal = redecide(live.policy, pipe)
+            if refusal is not None:
+                self.caps.cut_tunnel(pipe.client, pipe, Refusal(
+                    Reason.TUNNEL_REVOKED, f"the reloaded policy refuses this upgraded connection ({refusal.reason.value}: {refusal.detail})"))

@@ -21,11 +21,10 @@ refused, never costs another connection its socket.
 
 from __future__ import annotations
 
-from collections import OrderedDict
-
 from mitmproxy import connection, http
 from mitmproxy.proxy.server_hooks import ServerConnectionHookData
 
+from sluice import connstate
 from sluice.addons import connections, mitm_patches
 from sluice.addons.audit import AuditLog
 from sluice.addons.gate import EgressGate
@@ -35,9 +34,9 @@ class Upstreams:
     def __init__(self, gate: EgressGate, audit: AuditLog) -> None:
         self.gate = gate
         self.audit = audit
-        # client id -> server id -> server, least recently used first: the
-        # upstream sockets the client connection holds (from their dial)
-        self._open: dict[str, OrderedDict[str, connection.Server]] = {}
+        # The upstream sockets each client connection holds (from their
+        # dial) are its ConnState's `upstreams` (sluice/connstate.py):
+        # server id -> server, least recently used first.
 
     def load(self, loader) -> None:
         mitm_patches.set_dial_listener(self.before_dial)
@@ -46,14 +45,15 @@ class Upstreams:
         mitm_patches.set_dial_listener(None)
 
     def open_count(self, client: connection.Client) -> int:
-        return len(self._open.get(client.id, ()))
+        state = connstate.peek(client)
+        return len(state.upstreams) if state is not None else 0
 
     def before_dial(self, client: connection.Client, server: connection.Server) -> str | None:
         """Right before a dial's socket exists (after mitmproxy's own wait for
         a per-address slot): make room under the limit, or say why not."""
         rules = self.gate.rules_for_dial(client, server)
         limit = rules.limits.max_upstreams_per_connection if rules is not None else None
-        held = self._open.setdefault(client.id, OrderedDict())
+        held = connstate.state_of(client).upstreams
         if limit is not None and len(held) >= limit:
             tunnels = self.gate.tunnel_server_ids(client)
             idle = connections.idle_http1_servers(client)
@@ -84,15 +84,12 @@ class Upstreams:
     def error(self, flow: http.HTTPFlow) -> None:
         self._used(flow.client_conn, flow.server_conn)
 
-    def client_disconnected(self, client: connection.Client) -> None:
-        self._open.pop(client.id, None)
-
     def _used(self, client: connection.Client, server: connection.Server | None) -> None:
-        held = self._open.get(client.id)
-        if held is not None and server is not None and server.id in held:
-            held.move_to_end(server.id)
+        state = connstate.peek(client)
+        if state is not None and server is not None and server.id in state.upstreams:
+            state.upstreams.move_to_end(server.id)
 
     def _gone(self, client: connection.Client, server: connection.Server) -> None:
-        held = self._open.get(client.id)
-        if held is not None:
-            held.pop(server.id, None)
+        state = connstate.peek(client)
+        if state is not None:
+            state.upstreams.pop(server.id, None)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from types import SimpleNamespace
 
 import pytest
 from mitmproxy import connection, options
@@ -14,8 +13,10 @@ from mitmproxy.proxy import commands, events, mode_specs
 from mitmproxy.proxy.context import Context
 from mitmproxy.proxy.layers import modes
 from mitmproxy.proxy.layers.http._http1 import Http1Server
+from mitmproxy.test import tflow
 
 from sluice.addons import mitm_patches
+from sluice.addons.conn_release import ConnRelease
 from sluice.addons.identity import ClientIdentifier
 from sluice.addons.refusals import error_bytes
 from sluice.policy.clients import SECRET_PREFIX, match_client, secret_verifier, verify_password
@@ -209,7 +210,9 @@ def test_a_require_client_refusal_names_the_way_this_client_can_authenticate(via
 
 
 def _client(mode: str, cid: str = "c1"):
-    return SimpleNamespace(id=cid, peername=("192.0.2.1", 5000), proxy_mode=mode_specs.ProxyMode.parse(mode))
+    client = tflow.tclient_conn()
+    client.id, client.peername, client.proxy_mode = cid, ("192.0.2.1", 5000), mode_specs.ProxyMode.parse(mode)
+    return client
 
 
 def test_a_socks5_login_is_checked_like_proxy_authorization_and_kept_per_connection():
@@ -220,7 +223,7 @@ def test_a_socks5_login_is_checked_like_proxy_authorization_and_kept_per_connect
         assert (await identity.socks5_login(REQUIRE, socks, "bot", "bot-pw")).profile == "agents"
         later = await identity.match(REQUIRE, socks, None)  # the gate's server_connect
         assert (later.profile, later.refusal) == ("agents", None) and identity.socks5_user(socks) == "bot"
-        identity.forget(socks)
+        ConnRelease(audit=None).client_disconnected(socks)  # the connection ended: its login goes with it
         unknown = await identity.match(REQUIRE, socks, None)
         assert unknown.refusal is not None and "SOCKS5 username/password" in unknown.refusal.detail
         other = _client("socks5", "c2")
