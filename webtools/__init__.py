@@ -5,6 +5,7 @@ Every tool is a plain function returning a JSON-able dict, its result or
 rendered into the README). `client.py` sends every request through the Sluice
 proxy; `fetch.py` (fetch, source_read), `read.py`, `request.py`, `sitemap.py`
 are the tools; `convert.py` turns HTML into markdown or visible text;
+`pdf.py` reads a PDF's text in a killable child process;
 `window.py` windows and the envelope; `store.py` the captured sources;
 `sanitize.py` the one sanitiser for every web-derived value printed outside
 an envelope (titles, URLs, content types, error messages, search fields).

@@ -8,6 +8,9 @@ returns one window of it. Images (jpeg, png, gif, webp; <= 5 MiB) and PDFs
 (<= 10 MiB) come back whole as base64 `data`, never truncated, once their
 magic bytes match the declared type (webtools.sniff; `web_type_mismatch`
 otherwise); other types are refused from the headers, before the body is read.
+A PDF also comes back as text (webtools.pdf: page markers, `pages`,
+`scanned`, `text_incomplete`, within the call's deadline and the read cap),
+windowed and stored like a page (kind "pdf"), so source_read pages through it.
 
 source_read(source_id, offset=0, max_chars=40000) returns a window of a page
 fetched earlier by the same owner, from the store, with no request.
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import time
 from datetime import datetime, timezone
 
 from sluice.webtools import charsets
@@ -83,12 +87,23 @@ def fetch(url: str, offset: int = 0, max_chars: int = DEFAULT_MAX_CHARS, *, clie
           store: SourceStore | None = None, owner: str | None = None) -> dict:
     try:
         check_window_args(offset, max_chars)
+        started = time.monotonic()
         with call_client(client) as client:
             fetched = client.get(url, classify=_fetch_plan(client.limits))
         if fetched.mime in IMAGE_TYPES or fetched.mime == PDF_TYPE:
             check_signature(fetched.mime, fetched.body, fetched.final_url)  # an "image" of HTML is refused
+        if fetched.mime in IMAGE_TYPES:
             return _binary(fetched)
-        if fetched.mime in HTML_TYPES:
+        extra = None
+        if fetched.mime == PDF_TYPE:
+            from sluice.webtools.pdf import extract
+
+            pdf = extract(fetched.body, seconds=started + client.limits.timeout - time.monotonic(),
+                          max_chars=client.limits.text_bytes)
+            title, content, needs_js, hidden_chars, cut = pdf.title, pdf.text, False, 0, False
+            extra = {"pages": pdf.pages, "pages_read": pdf.pages_read, "scanned": pdf.scanned,
+                     "text_incomplete": pdf.incomplete}
+        elif fetched.mime in HTML_TYPES:
             from sluice.webtools.convert import html_to_markdown
 
             converted = html_to_markdown(fetched.body, fetched.final_url, encoding=fetched.charset,
@@ -104,6 +119,8 @@ def fetch(url: str, offset: int = 0, max_chars: int = DEFAULT_MAX_CHARS, *, clie
             "truncated": fetched.truncated, "captured_at": now_rfc3339(), "content": content,
             "hidden_chars": hidden_chars, "markdown_truncated": cut,
         }
+        if extra is not None:
+            source.update(kind="pdf", extra=extra)
         if fetched.truncated:
             source["read_cap"] = client.limits.text_bytes  # the notice names the cap that cut it
         source.update(header_values(source))
@@ -111,6 +128,8 @@ def fetch(url: str, offset: int = 0, max_chars: int = DEFAULT_MAX_CHARS, *, clie
         # put() may cut content to the per-source cap (and mark it): the
         # window is then over what was stored, as source_read will see it.
         source["source_id"] = store.put(default_owner() if owner is None else owner, source)
+        if extra is not None:
+            return page_result(source, offset, max_chars, binary=_binary(fetched))
         return page_result(source, offset, max_chars)
     except WebError as e:
         return e.as_dict()
@@ -141,7 +160,9 @@ def header_values(r: dict) -> dict:
     return out
 
 
-def page_result(source: dict, offset: int, max_chars: int) -> dict:
+def page_result(source: dict, offset: int, max_chars: int, *, binary: dict | None = None) -> dict:
+    """One window of a stored source. A PDF's (kind "pdf") carries its page
+    counts and, from fetch, the PDF itself (`binary`: bytes, sha256, data)."""
     source = {**source, **header_values(source)}
     try:
         w = window(source["content"], offset, max_chars)
@@ -149,7 +170,7 @@ def page_result(source: dict, offset: int, max_chars: int) -> dict:
         e.fields["source_id"] = source["source_id"]
         raise
     result = {
-        "kind": "page",
+        "kind": source.get("kind") or "page",
         "url": source["url"],
         "final_url": source["final_url"],
         "status": source["status"],
@@ -170,12 +191,48 @@ def page_result(source: dict, offset: int, max_chars: int) -> dict:
     }
     if source.get("read_cap"):
         result["read_cap"] = source["read_cap"]
+    if result["kind"] == "pdf":
+        extra = source.get("extra") or {}
+        result.update({name: extra.get(name) for name in ("pages", "pages_read", "text_incomplete")})
+        result["scanned"] = bool(extra.get("scanned"))
+        if binary is not None:
+            result.update(bytes=binary["bytes"], sha256=binary["sha256"], data=binary["data"])
     result["text"] = page_text(result)
     return result
 
 
+# Why a PDF's text stops early (webtools.pdf's `incomplete`), as the header says it.
+PDF_INCOMPLETE = {
+    "page_cap": "only the first {pages_read:,} of its {pages:,} pages were read (the page cap)",
+    "char_cap": "its text reached the read cap; the pages after page {pages_read:,} were not read",
+    "deadline": "reading its text ran out of the call's time after {pages_read:,} pages",
+    "memory": "reading its text ran out of memory after {pages_read:,} pages",
+    "encrypted": "it is encrypted with a password, so its text cannot be read",
+    "unreadable": "its text cannot be read (it is damaged, or not a PDF the parser understands)",
+}
+
+
+def pdf_notes(r: dict) -> list[str]:
+    """The header lines about a PDF's text: how much of it there is, and why not more."""
+    attached = ("the PDF itself is attached for models that read PDFs" if r.get("data")
+                else "web_fetch's result carried the PDF itself, for models that read PDFs")
+    if r.get("scanned"):
+        return [f"[this PDF has no text layer: its pages are images (a scan), so no text was extracted; {attached}]"]
+    why = r.get("text_incomplete")
+    lines = []
+    if why in PDF_INCOMPLETE:
+        said = PDF_INCOMPLETE[why].format(pages=r.get("pages") or 0, pages_read=r.get("pages_read") or 0)
+        lines.append(f"[incomplete text: {said}; {attached}]")
+    elif not r["total_chars"]:
+        lines.append(f"[this PDF has no text to extract; {attached}]")
+    return lines
+
+
 def page_text(r: dict) -> str:
     lines = []
+    if r["kind"] == "pdf":
+        pages = f", {r['pages']:,} pages" if r.get("pages") is not None else ""
+        lines.append(binary_header(r) if r.get("data") else f"PDF text{pages}, from {r['final_url']}")
     if r["title"]:
         lines.append(f"Title: {r['title']}")
     lines.append(f"URL: {r['final_url']}")
@@ -196,6 +253,8 @@ def page_text(r: dict) -> str:
     if r.get("hidden_chars"):
         lines.append(f"[{r['hidden_chars']:,} characters of text a reader cannot see (hidden by the page's markup "
                      "or its own styles) were left out]")
+    if r["kind"] == "pdf":
+        lines += pdf_notes(r)
     if r["needs_javascript"]:
         lines.append("[this page needs JavaScript: it is an app shell with almost no text, and no scripts run here; "
                      "look for another source]")
@@ -219,4 +278,6 @@ def _binary(f: Fetched) -> dict:
 
 def binary_header(r: dict) -> str:
     """The one-line text header that goes with an image or PDF part."""
-    return f"{'PDF' if r['kind'] == 'pdf' else 'Image'} {r['content_type']}, {r['bytes']:,} bytes, from {r['final_url']} (sha256 {r['sha256']})"
+    pages = f", {r['pages']:,} pages" if r.get("pages") is not None else ""
+    return (f"{'PDF' if r['kind'] == 'pdf' else 'Image'} {r['content_type']}, {r['bytes']:,} bytes{pages}, "
+            f"from {r['final_url']} (sha256 {r['sha256']})")

@@ -18,6 +18,8 @@ Bounded, counting every byte stored (content, title, URLs, type, owner, id):
 - the whole store holds at most `max_bytes` (256 MiB) and `max_sources`
   (10,000): only when several owners together are over it are the oldest
   sources of the owner holding the most evicted.
+A source has a `kind` ("page", or "pdf" for a PDF's text) and `extra`, its
+kind's metadata as JSON (a PDF's page counts; at most 4,096 characters).
 The newest source always stays. Path: `SLUICE_SOURCES`, else
 `sources.sqlite3` in the user's data directory (platformdirs); `:memory:`
 keeps it in the process (tests).
@@ -26,6 +28,7 @@ keeps it in the process (tests).
 from __future__ import annotations
 
 import getpass
+import json
 import os
 import secrets
 import sqlite3
@@ -64,6 +67,8 @@ CREATE TABLE IF NOT EXISTS sources (
     needs_javascript INTEGER NOT NULL,
     truncated INTEGER NOT NULL,
     hidden_chars INTEGER NOT NULL DEFAULT 0,
+    kind TEXT NOT NULL DEFAULT 'page',
+    extra TEXT,
     size INTEGER NOT NULL,
     content TEXT NOT NULL
 );
@@ -72,7 +77,10 @@ CREATE INDEX IF NOT EXISTS sources_owner_created ON sources (owner, created);
 """
 
 _FIELDS = ("url", "final_url", "status", "content_type", "title", "needs_javascript", "truncated", "captured_at", "content",
-           "hidden_chars")
+           "hidden_chars", "kind", "extra")
+# Columns later versions added, with their definitions: an older store gains them on open.
+_ADDED_COLUMNS = {"hidden_chars": "INTEGER NOT NULL DEFAULT 0", "kind": "TEXT NOT NULL DEFAULT 'page'", "extra": "TEXT"}
+EXTRA_CHARS = 4096  # a source's kind-specific metadata (`extra`, JSON: a PDF's page counts)
 
 
 def default_path() -> str:
@@ -97,7 +105,7 @@ def _cut_utf8(value: str, limit: int) -> str:
 
 def row_size(source_id: str, owner: str, source: dict) -> int:
     """What a row takes: every text column in UTF-8 bytes, plus the overhead."""
-    text = [source_id, owner] + [source.get(f) for f in _FIELDS if isinstance(source.get(f), str)]
+    text = [source_id, owner] + [source.get(f) for f in _FIELDS if f != "extra" and isinstance(source.get(f), str)]
     return ROW_OVERHEAD + sum(_utf8_len(t) for t in text)
 
 
@@ -116,8 +124,9 @@ class SourceStore:
             self._db = sqlite3.connect(self.path, check_same_thread=False, timeout=10)
             self._db.executescript(_SCHEMA)
             columns = {row[1] for row in self._db.execute("PRAGMA table_info(sources)")}
-            if "hidden_chars" not in columns:  # a store made before hidden text was counted
-                self._db.execute("ALTER TABLE sources ADD COLUMN hidden_chars INTEGER NOT NULL DEFAULT 0")
+            for column, definition in _ADDED_COLUMNS.items():
+                if column not in columns:  # a store made by an older version
+                    self._db.execute(f"ALTER TABLE sources ADD COLUMN {column} {definition}")
             if self.path != ":memory:":
                 os.chmod(self.path, 0o600)
         except (OSError, sqlite3.Error) as e:
@@ -129,11 +138,17 @@ class SourceStore:
         cap is cut to it first, in `source` itself (`content`, `truncated`,
         `store_truncated`), so the caller returns what was stored."""
         source_id = "src_" + secrets.token_hex(16)
-        self._fit(source_id, owner, source)
-        size = row_size(source_id, owner, source)
+        source.setdefault("kind", "page")
+        extra = source.get("extra") or None
+        if isinstance(extra, dict):
+            extra = json.dumps(extra, ensure_ascii=False)
+        if extra is not None and len(extra) > EXTRA_CHARS:
+            raise ValueError(f"a source's extra metadata is {len(extra):,} characters (at most {EXTRA_CHARS:,})")
+        self._fit(source_id, owner, source, len(extra or ""))
+        size = row_size(source_id, owner, source) + len(extra or "")
         flags = (READ_CAP if source["truncated"] and not source.get("store_truncated") else 0) | (
             STORE_CAP if source.get("store_truncated") else 0) | (MARKDOWN_CAP if source.get("markdown_truncated") else 0)
-        values = {"hidden_chars": 0, **source, "truncated": flags}
+        values = {"hidden_chars": 0, "kind": "page", **source, "truncated": flags, "extra": extra}
         now = time.time()
         try:
             with self._lock, self._db:
@@ -147,13 +162,13 @@ class SourceStore:
             raise WebError("web_store_error", f"the source store {self.path} cannot be written ({e})") from None
         return source_id
 
-    def _fit(self, source_id: str, owner: str, source: dict) -> None:
+    def _fit(self, source_id: str, owner: str, source: dict, extra_bytes: int = 0) -> None:
         for field, cap in FIELD_CAPS.items():
             value = source.get(field)
             if isinstance(value, str) and _utf8_len(value) > cap:
                 source[field] = _cut_utf8(value, cap)
         content = source["content"]
-        room = self.source_cap - row_size(source_id, owner, {**source, "content": ""})
+        room = self.source_cap - row_size(source_id, owner, {**source, "content": ""}) - extra_bytes
         if _utf8_len(content) > room:
             source["content"] = _cut_utf8(content, room)
             source["truncated"] = source["store_truncated"] = True
@@ -179,6 +194,10 @@ class SourceStore:
         source["store_truncated"] = bool(flags & STORE_CAP)
         source["markdown_truncated"] = bool(flags & MARKDOWN_CAP)
         source["source_id"] = source_id
+        try:
+            source["extra"] = json.loads(source["extra"]) if source["extra"] else {}
+        except ValueError:
+            source["extra"] = {}
         return source
 
     def usage(self, owner: str | None = None) -> tuple[int, int]:

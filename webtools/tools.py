@@ -90,7 +90,7 @@ TOOLS: dict[str, Tool] = {
     "fetch": Tool(
         "fetch", "web_fetch", "fetch", fetch,
         "Fetch a web page as markdown: HTML's main content (menus and hidden text left out); text, JSON and XML "
-        "as they are; images and PDFs whole. Long pages come in windows: when the header says 'pass offset=N to "
+        "as they are; images whole; PDFs whole and as text. Long pages come in windows: when the header says 'pass offset=N to "
         "continue', call again with offset=N. web_status_not_ok, web_unsupported_type, web_too_large, "
         "web_type_mismatch: try another URL. " + _envelope("The page", "page") + " " + _REQUESTS,
         (_URL, _OFFSET, _MAX),
@@ -162,9 +162,11 @@ def render(tool_name: str, result: dict) -> str:
     tool_name = tool.name if tool is not None else tool_name
     kind = result.get("kind")
     if tool_name in ("fetch", "source_read"):
-        if kind in ("image", "pdf"):
+        if kind == "image":
             return binary_header(result)
-        return result["text"]
+        if kind == "pdf" and "text" not in result:
+            return binary_header(result)
+        return result["text"]  # a PDF's is its text (the PDF itself goes as its own part)
     if tool_name == "read":
         head = [f"Title: {result['title']}"] if result["title"] else []
         head.append(f"URL: {result['final_url']}")

@@ -24,7 +24,7 @@ from mcp import Client
 from mcp.client.stdio import StdioServerParameters
 from mcp.shared.exceptions import MCPError
 
-from harness import default_policy
+from harness import default_policy, pdfs
 from harness.sluice import sluice_executable
 from sluice.webtools import schema
 from sluice.webtools.client import WebClient
@@ -51,7 +51,7 @@ main content of the page, so the extractor keeps it with its <a href="/more">lin
 LONG_TEXT = "Grüße € 𝄞 ok\n" * 300
 PNG = bytes.fromhex("89504e470d0a1a0a0000000d4948445200000001000000010806000000"
                     "1f15c4890000000d4944415478da63f8cfc0f01f0005000201f5f1b1a40000000049454e44ae426082")
-PDF = b"%PDF-1.4\n1 0 obj<<>>endobj\ntrailer<<>>\n%%EOF\n"
+PDF = pdfs.text_pdf([["The first page of the report."], ["Its second page."]], title="Report")
 SITEMAP = (b'<?xml version="1.0"?><urlset xmlns="http://www.sitemaps.org/schemas/sitemap/0.9">'
            b"<url><loc>https://web.example.com/a</loc><lastmod>2026-01-02</lastmod></url>"
            b"<url><loc>https://web.example.com/b</loc></url></urlset>")
@@ -281,8 +281,12 @@ def test_images_and_pdfs_are_binary_parts(env):
     assert isinstance(part, types.EmbeddedResource) and isinstance(part.resource, types.BlobResourceContents)
     assert part.resource.mime_type == "application/pdf" and base64.b64decode(part.resource.blob) == PDF
     assert str(part.resource.uri) == f"{BASE}/doc.pdf"
-    assert header.text.startswith("PDF application/pdf") and "\n" not in header.text
+    # The text part is the PDF's text, in its envelope, for models that do not read PDFs (issue 25 item 5).
+    assert header.text.startswith("PDF application/pdf, ") and ", 2 pages, from " in header.text
+    assert "--- page 1 of 2 ---\nThe first page of the report.\n\n--- page 2 of 2 ---\nIts second page." in header.text
     assert pdf.structured_content["kind"] == "pdf" and pdf.structured_content["bytes"] == len(PDF)
+    assert pdf.structured_content["pages"] == 2 and pdf.structured_content["scanned"] is False
+    assert "content" not in pdf.structured_content and "data" not in pdf.structured_content
 
 
 def test_owner_flag_scopes_the_sources(env):

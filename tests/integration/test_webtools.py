@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from harness import default_policy, free_port
+from harness import default_policy, free_port, pdfs
 from harness.sluice import sluice_executable
 from harness.http import read_request_head
 from sluice.webtools.client import Limits, WebClient
@@ -54,6 +54,7 @@ LONG_TEXT = ("Grüße € 𝄞 ok\n" * 700)  # 2-, 3- and 4-byte characters, ~98
 PNG = bytes.fromhex("89504e470d0a1a0a0000000d4948445200000001000000010806000000"
                     "1f15c4890000000d4944415478da63f8cfc0f01f0005000201f5f1b1a40000000049454e44ae426082")
 PDF = b"%PDF-1.4\n1 0 obj<<>>endobj\ntrailer<<>>\n%%EOF\n"
+REPORT_PDF = pdfs.text_pdf([[f"Report page {n}, line {i}." for i in range(20)] for n in range(1, 4)], title="Report")
 SITEMAP = ('<?xml version="1.0" encoding="UTF-8"?><urlset xmlns="http://www.sitemaps.org/schemas/sitemap/0.9">'
            + "".join(f"<url><loc>https://web.example.com/p{i}</loc>{'<lastmod>2026-01-0%d</lastmod>' % (i % 9 + 1) if i % 2 else ''}</url>"
                      for i in range(3)) + "</urlset>").encode()
@@ -139,6 +140,8 @@ class WebOrigin:
             "/img.png": ("image/png", PNG),
             "/big.png": ("image/png", b"\x89PNG" + b"\0" * (6 * MIB)),
             "/doc.pdf": ("application/pdf", PDF),
+            "/report.pdf": ("application/pdf", REPORT_PDF),
+            "/scan.pdf": ("application/pdf", pdfs.image_only_pdf(2)),
             "/big.pdf": ("application/pdf", b"%PDF" + b"\0" * (11 * MIB)),
             "/sitemap.xml": ("application/xml", SITEMAP),
             "/sitemap.xml.gz": ("application/gzip", gzip.compress(SITEMAP)),
@@ -304,6 +307,27 @@ def test_fetch_images_and_pdfs_whole_and_capped(web):
     for path, limit in (("/big.png", 5 * MIB), ("/big.pdf", 10 * MIB)):
         r = fetch(f"{BASE}{path}", client=web())
         assert code(r) == "web_too_large" and r["error"]["limit"] == limit and r["error"]["decoded"] is False, r
+
+
+def test_fetch_a_pdf_as_text_too_and_page_through_it(web):
+    # Issue 25 item 5: the PDF part stays, and its text comes windowed with page markers, stored as a source.
+    store = SourceStore(":memory:")
+    r = fetch(f"{BASE}/report.pdf", 0, 500, client=web(), store=store, owner="a")
+    assert r["kind"] == "pdf" and base64.b64decode(r["data"]) == REPORT_PDF and r["title"] == "Report", r
+    assert r["pages"] == r["pages_read"] == 3 and r["scanned"] is False and r["text_incomplete"] is None
+    assert r["content"].startswith("--- page 1 of 3 ---\nReport page 1, line 0.\nReport page 1, line 1.")
+    assert "pass offset=500 to continue" in r["text"] and r["next_offset"] == 500
+    parts, offset = [r["content"]], r["next_offset"]
+    while offset is not None:
+        w = source_read(r["source_id"], offset, 500, store=store, owner="a")
+        assert w["kind"] == "pdf" and "data" not in w
+        parts.append(w["content"])
+        offset = w["next_offset"]
+    text = "".join(parts)
+    assert "--- page 2 of 3 ---\nReport page 2, line 0." in text and text.endswith("Report page 3, line 19.")
+    scan = fetch(f"{BASE}/scan.pdf", client=web(), store=store, owner="a")
+    assert scan["kind"] == "pdf" and scan["content"] == "" and scan["scanned"] is True, scan
+    assert "no text layer" in scan["text"] and base64.b64decode(scan["data"]).startswith(b"%PDF-")
 
 
 def test_unsupported_types_refused_before_the_body(web, origin):
