@@ -137,7 +137,22 @@ def summarise(policy: Policy) -> list[str]:
     limits = policy.rules.limits
     lines.append(f"  request heads (every client): at most {_size(limits.max_header_bytes)} and "
                  f"{limits.max_header_count} fields, whole within {_seconds(limits.header_timeout)}")
+    total = "" if limits.max_total_connections is None else f"; at most {limits.max_total_connections} connections in all"
+    lines.append(f"  every client: HTTP/2 at most {limits.h2_max_concurrent_streams} streams per connection, "
+                 f"{_size(limits.h2_stream_buffer_bytes)} held per stream; IPv6 clients counted per "
+                 f"/{limits.ipv6_client_prefix}{total}")
     return lines
+
+
+def no_https(policy: Policy) -> list[str]:
+    """`check --strict` fails on these: the top level or a profile that can
+    reach no https:// at all (e.g. `methods: [GET, HEAD]` without
+    interception refuses every CONNECT)."""
+    scopes = [("the top level", policy.rules)] + [(f"client {p.name!r}", p.rules) for p in policy.clients]
+    return [f"{policy.source}: {who} can reach no https:// host: {line.removeprefix('unreachable: ')}"
+            for who, rules in scopes for line in _unreachable(rules)
+            if line.startswith(("unreachable: https://", "unreachable: every host"))
+            and "hosts not under intercept" not in line]
 
 
 def _rules_lines(rules: Rules, indent: str) -> list[str]:
@@ -173,8 +188,28 @@ def _rules_lines(rules: Rules, indent: str) -> list[str]:
             clear = "; also over plain http" if entry.allow_plain_http else ""
             out.append(f"{indent}sets credentials {sources} on {', '.join(entry.hosts_text)} ({entry.origin}{clear})")
     out.append(f"{indent}{_limits_line(rules.limits)}")
+    out.append(f"{indent}{_quotas_line(rules.limits)}")
+    if rules.refusal_note:
+        out.append(f"{indent}refusals end with the note: {rules.refusal_note!r}")
     out += [f"{indent}{line}" for line in _unreachable(rules)]
     return out
+
+
+def _quotas_line(limits) -> str:
+    """Every quota that is set (policy/model.py Limits; None is no limit)."""
+    parts = []
+    if limits.max_connections is not None:
+        parts.append(f"{limits.max_connections} connections per source address")
+    if limits.max_tunnels is not None:
+        parts.append(f"{limits.max_tunnels} tunnels per client")
+    if limits.requests_per_second is not None:
+        parts.append(f"{limits.requests_per_second:g} requests/s per client (burst {limits.rate_burst})")
+    if limits.bytes_per_hour is not None:
+        parts.append(f"{_size(limits.bytes_per_hour)} per hour per client")
+    if limits.max_requests_per_host_per_minute is not None:
+        parts.append(f"{limits.max_requests_per_host_per_minute} requests per host per minute per client")
+    parts.append(f"{limits.max_upstreams_per_connection} upstream sockets per client connection")
+    return "quotas: " + "; ".join(parts)
 
 
 def _size(n: int) -> str:
@@ -231,6 +266,12 @@ def check(path: str, *, strict: bool = False) -> int:
         print(warning, file=sys.stderr)
     if warnings and strict:
         print(f"{path}: {len(warnings)} warning(s); --strict makes them errors", file=sys.stderr)
+        return EXIT_INVALID
+    blind = no_https(policy) if strict else []
+    if blind:
+        for line in blind:
+            print(line, file=sys.stderr)
+        print(f"{path}: --strict fails a policy under which a client can reach no https:// at all", file=sys.stderr)
         return EXIT_INVALID
     print("\n".join(summarise(policy)))
     if warnings:

@@ -195,7 +195,33 @@ clients:
     assert "http:// on its default port" not in top
     assert "    unreachable: http:// on its default port 80 (not in ports)\n" in ci
     assert ("    unreachable: https:// to hosts not under intercept (CONNECT is not in methods)\n") in ci
-    assert result.stdout.endswith("  request heads (every client): at most 32KiB and 100 fields, whole within 10s\n")
+    assert result.stdout.endswith("  request heads (every client): at most 32KiB and 100 fields, whole within 10s\n"
+                                  "  every client: HTTP/2 at most 100 streams per connection, 1MiB held per stream; "
+                                  "IPv6 clients counted per /64\n")
+
+
+def test_check_summarises_every_quota_and_the_refusal_note(tmp_path):
+    path = tmp_path / "p.yaml"
+    path.write_text("""\
+version: 1
+refusal_note: "ask #platform for access"
+limits: {max_connections: 20, max_total_connections: 500, max_tunnels: 8, requests_per_second: 2.5, burst: 10,
+         bytes_per_hour: 1GiB, max_requests_per_host_per_minute: 60, max_upstreams_per_connection: 4}
+clients:
+  - name: ci
+    sources: [10.20.0.0/16]
+    limits: {requests_per_second: 1}
+""")
+    result = sluice("policy", "check", "--policy", path)
+    assert result.returncode == 0, result.stderr
+    top, _, ci = result.stdout.partition("  client 'ci'")
+    assert ("  quotas: 20 connections per source address; 8 tunnels per client; 2.5 requests/s per client (burst 10); "
+            "1GiB per hour per client; 60 requests per host per minute per client; "
+            "4 upstream sockets per client connection\n") in top
+    assert "  refusals end with the note: 'ask #platform for access'\n" in top
+    assert "    quotas: 20 connections per source address; 8 tunnels per client; 1 requests/s per client (burst 10);" in ci
+    assert "    refusals end with the note: 'ask #platform for access'\n" in ci  # profiles inherit limits and note
+    assert "; at most 500 connections in all\n" in result.stdout
 
 
 def test_check_says_nothing_is_unreachable_for_the_default_policy():

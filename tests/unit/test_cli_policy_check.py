@@ -41,6 +41,7 @@ clients:
         "  methods: GET, HEAD",
         "  private networks opened: 10.0.0.5/32:8080",
         "  limits: connect 10s, request 30s, idle 1m; bodies: request 1MiB, response 10MiB; tunnels: no byte cap, no time cap",
+        "  quotas: 16 upstream sockets per client connection",
         "  unreachable: https:// (clients reach HTTPS through CONNECT tunnels; CONNECT is not in methods and no host is intercepted)",
         "  DNS: 127.0.0.53:53, timeout 2s",
         "  client 'ci' (sources 10.20.0.0/16):",
@@ -49,8 +50,10 @@ clients:
         "    methods: GET, HEAD",
         "    private networks opened: 10.0.0.5/32:8080",
         "    limits: connect 10s, request 30s, idle 1m; bodies: request 1MiB, response 10MiB; tunnels: no byte cap, no time cap",
+        "    quotas: 16 upstream sockets per client connection",
         "  clients matching no profile are refused (407)",
         "  request heads (every client): at most 64KiB and 100 fields, whole within 10s",
+        "  every client: HTTP/2 at most 100 streams per connection, 1MiB held per stream; IPv6 clients counted per /64",
     ]
 
 
@@ -239,15 +242,12 @@ def test_check_strict_fails_on_warnings(write):
 @pytest.mark.parametrize(
     "text",
     [
-        "version: 1\nmethods: [GET, HEAD]\nstrip_request_headers: [Cookie]\n",  # no CONNECT: tunnels are refused
         "version: 1\nmethods: [GET, HEAD, CONNECT]\nintercept: ['*']\n",
         "version: 1\nallow: [a.example, '**.b.example', '*.c.example']\nmethods: [GET, CONNECT]\n"
         "intercept: ['**.a.example', b.example, '*.b.example', '**.c.example']\n",
         "version: 1\nallow: [a.example]\nmethods: [GET, HEAD, CONNECT]\nintercept: [a.example]\n"
         "strip_request_headers: [Cookie]\n",
         "version: 1\nallow: ['**.github.com']\n",  # every method: nothing claimed
-        "version: 1\nmethods: [GET, HEAD, POST, PUT, DELETE, OPTIONS, TRACE, PATCH]\nclients:\n"
-        "  - name: ci\n    sources: [10.0.0.0/8]\n    methods: [GET]\n",  # the profile refuses every tunnel
     ],
 )
 def test_check_strict_passes_policies_that_claim_only_what_is_enforced(write, text):
@@ -255,6 +255,24 @@ def test_check_strict_passes_policies_that_claim_only_what_is_enforced(write, te
     result = real_sluice("policy", "check", "--strict", path)
     assert result.returncode == 0, result.stderr
     assert result.stderr == ""
+
+
+@pytest.mark.parametrize(
+    ("text", "who"),
+    [
+        ("version: 1\nmethods: [GET, HEAD]\nstrip_request_headers: [Cookie]\n", "the top level"),  # no CONNECT
+        ("version: 1\nmethods: [GET, HEAD, POST, PUT, DELETE, OPTIONS, TRACE, PATCH]\nclients:\n"
+         "  - name: ci\n    sources: [10.0.0.0/8]\n    methods: [GET]\n", "client 'ci'"),  # refuses every tunnel
+        ("version: 1\nports: [80]\n", "the top level"),
+    ],
+)
+def test_check_strict_fails_a_policy_that_reaches_no_https(write, text, who):
+    path = write("p.yaml", text)
+    assert real_sluice("policy", "check", path).returncode == 0  # without --strict: a summary line only
+    result = real_sluice("policy", "check", "--strict", path)
+    assert result.returncode == 1 and result.stdout == ""
+    assert f"{path}: {who} can reach no https:// host: " in result.stderr
+    assert result.stderr.splitlines()[-1] == f"{path}: --strict fails a policy under which a client can reach no https:// at all"
 
 
 @pytest.mark.parametrize(
