@@ -5,8 +5,11 @@ PY := $(VENV)/bin/python
 POLICY ?= config/policy.yaml
 LISTEN ?= 127.0.0.1:8080
 ADMIN ?= 127.0.0.1:9090
-# The runtime dependencies, every version and hash pinned; the image installs the same file.
+# The runtime dependencies (the agent side and the proxy extra), every version
+# and hash pinned; the image installs the same file. AGENT_LOCK: the agent side
+# alone (`pip install sluice`, no mitmproxy), at the same versions.
 LOCK := requirements.lock
+AGENT_LOCK := requirements-agent.lock
 
 .PHONY: venv run test unit bench lock clean
 
@@ -19,18 +22,22 @@ $(VENV)/.installed: pyproject.toml $(LOCK)
 	@# UserWarning about editable mode, which is silenced here. The wheel itself
 	@# builds without warnings and holds only `sluice`. Runtime dependencies
 	@# are already installed from the lock; this adds the test extras.
-	PYTHONWARNINGS=ignore::UserWarning $(PY) -m pip install -q -e '.[test]'
+	PYTHONWARNINGS=ignore::UserWarning $(PY) -m pip install -q -e '.[proxy,test]'
 	@touch $@
 
 venv: $(VENV)/.installed
 
-# Regenerate requirements.lock from pyproject.toml's runtime dependencies
-# (existing pins are kept unless LOCK_ARGS=--upgrade): run it whenever a
-# dependency is added or changed; tests/unit/test_lock.py fails until then.
+# Regenerate requirements.lock from pyproject.toml's runtime dependencies and
+# the proxy extra, then requirements-agent.lock from the agent side alone,
+# constrained to the first (existing pins are kept unless LOCK_ARGS=--upgrade):
+# run it whenever a dependency is added or changed; tests/unit/test_lock.py
+# fails until then.
 lock: venv
 	$(PY) -m pip install -q 'uv>=0.5'
-	$(VENV)/bin/uv pip compile pyproject.toml --universal --python-version 3.12 --generate-hashes \
+	$(VENV)/bin/uv pip compile pyproject.toml --extra proxy --universal --python-version 3.12 --generate-hashes \
 	    --custom-compile-command 'make lock' --quiet $(LOCK_ARGS) -o $(LOCK)
+	$(VENV)/bin/uv pip compile pyproject.toml -c $(LOCK) --universal --python-version 3.12 --generate-hashes \
+	    --custom-compile-command 'make lock' --quiet -o $(AGENT_LOCK)
 
 run: venv
 	$(VENV)/bin/sluice proxy --policy $(POLICY) --listen $(LISTEN) --admin $(ADMIN)

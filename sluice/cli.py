@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import importlib.util
 import os
 import platform
 import socket
@@ -80,6 +81,8 @@ def listen_problem(host: str, port: int, protocol: str = "tcp", reuse_port: bool
     return None
 
 
+# What `pip install sluice` (the agent side) cannot run: they need mitmproxy.
+PROXY_COMMANDS = ("proxy", "ca")
 POLICY_DEFAULT = ("default: $SLUICE_POLICY, else /etc/sluice/policy.yaml, else the packaged starter policy "
                   "(any public host); a named file that is missing is an error, never a fallback")
 POLICY_HELP = "policy YAML (" + POLICY_DEFAULT + ")"
@@ -228,6 +231,10 @@ def main(argv: list[str] | None = None) -> int:
 def _main(argv: list[str] | None) -> int:
     args = _parser().parse_args(argv)
     _policy_paths(args)
+    if args.command in PROXY_COMMANDS and importlib.util.find_spec("mitmproxy") is None:
+        print(f"sluice: `sluice {args.command}` needs the proxy extra, which is not installed: "
+              "pip install 'sluice[proxy]'", file=sys.stderr)
+        return EXIT_USAGE
     if args.command == "proxy":
         where = locate(args.policy)
         args.policy, args.policy_label = where.path, where.label

@@ -1,5 +1,7 @@
-"""requirements.lock pins every runtime dependency (version and hashes), and
-both the Makefile's set-up and the Dockerfile install from it.
+"""requirements.lock pins every runtime dependency (version and hashes), the
+proxy extra's included, and both the Makefile's set-up and the Dockerfile
+install from it; requirements-agent.lock pins the agent side alone
+(`pip install sluice`) at the same versions, without mitmproxy.
 
 When one of these fails after a dependency was added to or changed in
 pyproject.toml, regenerate the lock with `make lock` and commit it."""
@@ -17,13 +19,16 @@ from packaging.utils import canonicalize_name
 
 ROOT = Path(__file__).resolve().parents[2]
 LOCK = ROOT / "requirements.lock"
-FIX = "run `make lock` (regenerates requirements.lock from pyproject.toml) and commit requirements.lock"
+AGENT_LOCK = ROOT / "requirements-agent.lock"
+FIX = ("run `make lock` (regenerates requirements.lock and requirements-agent.lock from pyproject.toml) "
+       "and commit both")
+PROXY_ONLY = {"mitmproxy", "prometheus-client", "opentelemetry-sdk", "opentelemetry-exporter-otlp-proto-http"}
 
 
-def locked() -> dict[str, tuple[str, list[str], str]]:
+def locked(path: Path = LOCK) -> dict[str, tuple[str, list[str], str]]:
     """name -> (version, hashes, marker text) for each entry of the lock."""
     entries: dict[str, tuple[str, list[str], str]] = {}
-    text = LOCK.read_text().replace("\\\n", " ")
+    text = path.read_text().replace("\\\n", " ")
     for line in text.splitlines():
         line = line.split(" #", 1)[0].strip()
         if not line or line.startswith("#"):
@@ -38,9 +43,33 @@ def locked() -> dict[str, tuple[str, list[str], str]]:
     return entries
 
 
-def runtime_requirements() -> list[Requirement]:
+def agent_requirements() -> list[Requirement]:
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     return [Requirement(r) for r in project["dependencies"]]
+
+
+def runtime_requirements() -> list[Requirement]:
+    """The agent side plus the proxy extra: what requirements.lock pins."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    return agent_requirements() + [Requirement(r) for r in project["optional-dependencies"]["proxy"]]
+
+
+def test_the_agent_side_needs_no_proxy_dependency():
+    names = {canonicalize_name(r.name) for r in agent_requirements()}
+    assert not names & PROXY_ONLY, f"pyproject.toml's dependencies hold proxy-only packages: {names & PROXY_ONLY}"
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert {canonicalize_name(Requirement(r).name) for r in extras["proxy"]} >= PROXY_ONLY
+
+
+def test_the_agent_lock_is_the_full_locks_subset_at_the_same_versions():
+    full, agent = locked(LOCK), locked(AGENT_LOCK)
+    differ = {name: (entry[0], full.get(name, ("absent",))[0]) for name, entry in agent.items()
+              if name not in full or full[name][0] != entry[0]}
+    assert not differ, f"requirements-agent.lock pins versions requirements.lock does not (agent, full): {differ}; {FIX}"
+    missing = [str(r) for r in agent_requirements() if canonicalize_name(r.name) not in agent]
+    assert not missing, f"agent dependencies missing from requirements-agent.lock: {missing}; {FIX}"
+    assert not set(agent) & PROXY_ONLY, f"requirements-agent.lock holds proxy-only packages; {FIX}"
+    assert all(hashes for _, hashes, _ in agent.values()), f"requirements-agent.lock entries without --hash; {FIX}"
 
 
 def test_every_runtime_dependency_is_locked_at_a_version_it_accepts():
@@ -91,6 +120,7 @@ def test_the_set_up_and_the_image_install_from_the_lock():
     makefile = (ROOT / "Makefile").read_text()
     assert "LOCK := requirements.lock" in makefile
     assert re.search(r"pip install -q --require-hashes -r \$\(LOCK\)", makefile)
+    assert "AGENT_LOCK := requirements-agent.lock" in makefile
     assert re.search(r"^\$\(VENV\)/\.installed: pyproject\.toml \$\(LOCK\)$", makefile, re.M)
     assert re.search(r"^lock: ", makefile, re.M), "the Makefile has no `lock` target"
     dockerfile = (ROOT / "Dockerfile").read_text()
