@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import email.utils
 import html
+import ipaddress
 import json
 import os
 import re
@@ -281,6 +282,14 @@ PRIVATE_REASONS = ("address_not_public", "dns_answer_not_public", "internal_host
                    "port_not_allowed")
 
 
+def _is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
+
+
 def translate(e: WebError, provider: str, url: str) -> WebError:
     """A transport error as the provider's failure."""
     fields = {k: v for k, v in e.fields.items() if k in ("reason", "by", "status")}
@@ -288,9 +297,10 @@ def translate(e: WebError, provider: str, url: str) -> WebError:
         host = urlsplit(url).hostname or url
         hint = ""
         if e.fields.get("reason") in PRIVATE_REASONS:
+            named = "" if _is_ip(host) else (f", and adds {host} to allow beside the hosts already allowed "
+                                              f"(allow: [\"*\", {host}])")
             hint = (f" A self-hosted provider at a private address works only when the proxy's policy opens that "
-                    f"address under private_networks (e.g. \"10.0.0.5/32\"), its port under ports, and, when reached "
-                    f"by a name, lists {host} under allow.")
+                    f"address with its port under private_networks (e.g. \"10.0.0.5/32:8080\"){named}.")
         return WebError("search_unreachable", f"Sluice refused the connection to {provider} at {host} "
                         f"({e.fields.get('reason')}): {e.message}{hint}", provider=provider, url=url, **fields)
     if e.code == "web_timeout":

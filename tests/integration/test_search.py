@@ -270,8 +270,9 @@ def proxy(sluice_factory, fake_dns, mock):
 
 @pytest.fixture(scope="module")
 def proxy_private(sluice_factory, fake_dns, mock):
-    return sluice_factory(default_policy(ports=[80, 443, PLAIN], private_networks=[f"{PRIVATE}/32:{PLAIN}"]),
-                          name="search-private")
+    # The one story for a private sidecar (issue 26 item 5): its address with its port under
+    # private_networks; `ports` is not widened.
+    return sluice_factory(default_policy(private_networks=[f"{PRIVATE}/32:{PLAIN}"]), name="search-private")
 
 
 @pytest.fixture
@@ -420,6 +421,9 @@ def test_private_provider_refused_then_opened_by_policy(go, mock, proxy_private)
         assert e.get("code") == "search_unreachable" and e["by"] == "proxy", r
         assert e["reason"] in ("address_not_public", "dns_answer_not_public")
         assert "private_networks" in e["message"] and urlsplit(url).hostname in e["message"]
+        assert '(e.g. "10.0.0.5/32:8080")' in e["message"] and "its port under ports" not in e["message"]
+        named = urlsplit(url).hostname != PRIVATE
+        assert (f'allow: ["*", {urlsplit(url).hostname}]' in e["message"]) is named, e["message"]
     assert not [x for x in mock.requests if x["local"] == PRIVATE]
     # Opened: SearXNG and a self-hosted Firecrawl (no key) at the private address.
     r = go({"SEARXNG_URL": f"http://{PRIVATE}:{PLAIN}"}, via=proxy_private)

@@ -110,3 +110,13 @@ def test_interception_adds_only_the_certificate_to_the_agent():
     assert [v.split(":")[0] for v in agent_volumes] == ["./ca/mitmproxy-ca-cert.pem"], "the certificate, never the key"
     cert_path = agent_volumes[0].split(":")[1]
     assert set(extra["services"]["agent"]["environment"].values()) == {cert_path}
+
+
+def test_the_searxng_overlay_mounts_settings_with_json_output_on():
+    overlay = yaml.safe_load((COMPOSE / "compose.searxng.yaml").read_text())
+    assert "./searxng:/etc/searxng" in overlay["services"]["searxng"]["volumes"]
+    settings = yaml.safe_load((COMPOSE / "searxng" / "settings.yml").read_text())
+    assert "json" in settings["search"]["formats"]
+    header = (COMPOSE / "compose.searxng.yaml").read_text().split("services:", 1)[0]
+    assert 'private_networks: ["172.30.0.10/32:8080"]' in header
+    assert "ports: [80, 443, 8080]" not in header  # the entry's port opens it: ports is never widened
