@@ -23,10 +23,12 @@ from sluice.addons.failsafe import fail_closed
 from sluice.addons.policy_source import PolicySource
 from sluice.addons.refusals import answer_now, noted, refusal_bytes, refusal_response
 from sluice.addons.verdict import Verdict, verdict_of
+from sluice.dialer import OUT_OF_FILES_DIAL, UPSTREAMS_BUSY, Meter
 from sluice.policy.model import Limits, Rules
 from sluice.policy.reasons import Reason, Refusal
 
 NO_BODY_STATUSES = frozenset({204, 304})
+CONNECT_TIMEOUT_PREFIX = f"{Reason.CONNECT_TIMEOUT.value}: "  # how the dialer's timeout reads in server.error
 
 
 def size_text(n: int) -> str:
@@ -41,7 +43,6 @@ class Caps:
         self.source = source
         self.audit = audit
         self._request_deadlines: dict[str, asyncio.TimerHandle] = {}  # flow id
-        self._connect_deadlines: dict[str, asyncio.TimerHandle] = {}  # server id
         # Per client connection, in its ConnState (sluice/connstate.py): its
         # tunnels' time caps, and the connect-time refusal (timeout, no fd,
         # upstreams busy) its failing exchange is answered with.
@@ -59,12 +60,6 @@ class Caps:
         if rules.limits.idle_timeout != top.idle_timeout:
             connections.set_idle_timeout(client, rules.limits.idle_timeout)
 
-    def watch_connect(self, client: connection.Client, server: connection.Server, limits: Limits) -> None:
-        loop = asyncio.get_running_loop()
-        self._connect_deadlines[server.id] = loop.call_later(
-            limits.connect_timeout, self._connect_expired, client, server, limits.connect_timeout
-        )
-
     def h2_stream_reset(self, flow: http.HTTPFlow, buffered: int, cap: int) -> None:
         """mitm_patches reset an HTTP/2 stream whose client did not read it
         (the backstop of h2_stream_buffer_cap): its audit line says so."""
@@ -76,34 +71,21 @@ class Caps:
                 f"this proxy's {size_text(cap)} limits.h2_stream_buffer_bytes, so the stream was reset",
                 advice="Read each HTTP/2 stream as its data arrives (open its flow-control window); the request may be retried.")
 
-    # ---- connect timeout -------------------------------------------------
-
-    def _connect_expired(self, client: connection.Client, server: connection.Server, seconds: float) -> None:
-        self._connect_deadlines.pop(server.id, None)
-        if server.timestamp_tcp_setup is not None or server.error:
-            return
-        address = server.address[0] if server.address else "the origin"
-        connstate.state_of(client).connect_refusal = Refusal(
-            Reason.CONNECT_TIMEOUT, f"{address} did not accept a connection within {seconds:g}s"
-        )
-        connections.cancel_connect(client, server)
-
-    def server_connected(self, data: ServerConnectionHookData) -> None:
-        handle = self._connect_deadlines.pop(data.server.id, None)
-        if handle:
-            handle.cancel()
+    # ---- a dial that failed: the client's answer --------------------------
 
     def server_connect_error(self, data: ServerConnectionHookData) -> None:
-        handle = self._connect_deadlines.pop(data.server.id, None)
-        if handle:
-            handle.cancel()
-        if data.server.error and mitm_patches.OUT_OF_FILES_DIAL in data.server.error:
+        error = data.server.error or ""
+        if error.startswith(CONNECT_TIMEOUT_PREFIX):
+            # The dialer (sluice/dialer.py) gave up within limits.connect_timeout.
+            connstate.state_of(data.client).connect_refusal = Refusal(
+                Reason.CONNECT_TIMEOUT, error[len(CONNECT_TIMEOUT_PREFIX):])
+        elif OUT_OF_FILES_DIAL in error:
             # No fd for the dial (addons/open_files.py reported it): answered
             # like a connect timeout, as a refusal the client can act on.
             connstate.state_of(data.client).connect_refusal = Refusal(
-                Reason.TOO_MANY_CONNECTIONS, f"{mitm_patches.OUT_OF_FILES_DIAL}; it is overloaded",
+                Reason.TOO_MANY_CONNECTIONS, f"{OUT_OF_FILES_DIAL}; it is overloaded",
                 advice="Retry in a few seconds, with fewer connections open.")
-        elif data.server.error and mitm_patches.UPSTREAMS_BUSY in data.server.error:
+        elif UPSTREAMS_BUSY in error:
             # addons/upstreams.py: every upstream this client connection may hold is in use.
             connstate.state_of(data.client).connect_refusal = Refusal(
                 Reason.TOO_MANY_CONNECTIONS, data.server.error.split("] ", 1)[-1],
@@ -229,9 +211,10 @@ class Caps:
         )
         connstate.state_of(client).tunnel_deadlines.append(handle)
 
-    def meter_tunnel(self, client: connection.Client, server: connection.Server, verdict: Verdict) -> None:
-        """Count a passed-through tunnel's bytes in each direction and cut it
-        at `tunnel_max_bytes` (the byte that would pass the cap never goes out)."""
+    def tunnel_meter(self, client: connection.Client, verdict: Verdict) -> Meter:
+        """The dialer's meter for a passed-through tunnel: count its bytes in
+        each direction and cut it at `tunnel_max_bytes` (the byte that would
+        pass the cap never goes out)."""
         cap = verdict.limits.tunnel_max_bytes
         loop = asyncio.get_running_loop()
 
@@ -249,7 +232,7 @@ class Caps:
                     Reason.TUNNEL_TOO_LARGE, f"the tunnel carried more than this policy's {size_text(cap)} cap in one direction"))
             return allowed
 
-        connections.meter_server(client, server, meter)
+        return meter
 
     def cut_tunnel(self, client: connection.Client, verdict: Verdict, refusal: Refusal) -> None:
         if verdict.cap is not None or verdict.logged:

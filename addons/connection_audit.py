@@ -49,6 +49,7 @@ from mitmproxy.proxy.server_hooks import ServerConnectionHookData
 from sluice import connstate
 from sluice.addons import connections, mitm_patches
 from sluice.addons.audit import AuditLog, peer, quote_client
+from sluice.addons.own_host import mitmproxy_listeners
 from sluice.addons.refusals import REASON_HEADER, error_bytes, error_response, refusal_body, refusal_bytes, refusal_response
 from sluice.addons.verdict import Verdict, verdict_of
 from sluice.policy.decide import ALLOWED_SCHEMES, scheme_refusal
@@ -296,17 +297,13 @@ def _gate_message(message: str) -> str:
 
 
 def _own_listener(server: connection.Server) -> bool:
-    """mitmproxy's proxyserver test for a dial back to one of its listeners."""
-    proxyserver = ctx.master.addons.get("proxyserver")
-    if proxyserver is None or server.address is None:
+    """mitmproxy's proxyserver test for a dial back to one of its listeners
+    (`Proxyserver.server_connect`), on the listener addresses own_host reads."""
+    if server.address is None:
         return False
     host, port = server.address[:2]
-    for instance in proxyserver.servers:
-        for listen_host, listen_port, *_ in instance.listen_addrs:
-            if (port == listen_port and host in ("localhost", "127.0.0.1", "::1", listen_host)
-                    and instance.mode.transport_protocol == server.transport_protocol):
-                return True
-    return False
+    return any(port == listen_port and host in ("localhost", "127.0.0.1", "::1", listen_host)
+               for listen_host, listen_port in mitmproxy_listeners(server.transport_protocol))
 
 
 _VALIDATION = re.compile(r"^Received (?P<what>.*) from client, refusing to prevent request smuggling attacks", re.S)

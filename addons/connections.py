@@ -89,19 +89,6 @@ def abort_server(client: connection.Client, server: connection.Server) -> None:
             io.writer.close()
 
 
-def cancel_connect(client: connection.Client, server: connection.Server) -> bool:
-    """Abort a server connection still being dialled (its task is cancelled,
-    so mitmproxy reports the connect as failed)."""
-    handler = _handler(client.id)
-    if handler is None:
-        return False
-    io = handler.transports.get(server)
-    if io is None or io.handler is None or io.handler.done():
-        return False
-    io.handler.cancel("sluice connect timeout")
-    return True
-
-
 def set_idle_timeout(client: connection.Client, seconds: float) -> None:
     """Per-profile idle timeout: mitmproxy's watchdog for this client connection."""
     handler = _handler(client.id)
@@ -116,62 +103,6 @@ def http1_response_bytes(status: int, reason: str, headers: dict[str, str], body
     lines.append(f"Content-Length: {len(body)}")
     lines.append("Connection: close")
     return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body
-
-
-class _MeteredReader:
-    """Wraps a server connection's StreamReader: counts what the server sends."""
-
-    __slots__ = ("_reader", "_meter")
-
-    def __init__(self, reader, meter) -> None:
-        self._reader, self._meter = reader, meter
-
-    async def read(self, n: int = -1) -> bytes:
-        data = await self._reader.read(n)
-        if data:
-            allowed = self._meter(False, len(data))
-            if allowed < len(data):
-                data = data[:allowed]
-        return data
-
-    def __getattr__(self, name):
-        return getattr(self._reader, name)
-
-
-class _MeteredWriter:
-    """Wraps a server connection's StreamWriter: counts what the client sends."""
-
-    __slots__ = ("_writer", "_meter")
-
-    def __init__(self, writer, meter) -> None:
-        self._writer, self._meter = writer, meter
-
-    def write(self, data: bytes) -> None:
-        if data:
-            allowed = self._meter(True, len(data))
-            if allowed < len(data):
-                data = data[:allowed]
-        if data:
-            self._writer.write(data)
-
-    def __getattr__(self, name):
-        return getattr(self._writer, name)
-
-
-def meter_server(client: connection.Client, server: connection.Server, meter) -> bool:
-    """Count a passed-through tunnel's bytes at its server socket, without a
-    TCP flow (whose per-chunk hooks cost mitmproxy most of its tunnel speed).
-
-    `meter(from_client: bool, n: int) -> int` is told of every chunk and
-    returns how many of its bytes may pass. Must run in `server_connected`,
-    before mitmproxy starts reading the connection."""
-    handler = _handler(client.id)
-    io = handler.transports.get(server) if handler is not None else None
-    if io is None or io.reader is None or io.writer is None:
-        return False
-    io.reader = _MeteredReader(io.reader, meter)
-    io.writer = _MeteredWriter(io.writer, meter)
-    return True
 
 
 def close_server(client: connection.Client, server: connection.Server) -> bool:

@@ -22,10 +22,11 @@
   (`client_protocol_refused`), so one client connection never multiplexes
   streams onto one shared upstream object and TLS to the proxy never implies
   interception.
-- The dial itself is checked (addons/mitm_patches.py, dial_check, wraps
-  mitmproxy's connect): only an IP address this gate approved for the client connection
-  may be dialled, never a name; after the connect, the peer must be that
-  address (else `pin_mismatch`, closed before a byte passes).
+- Every dial goes through one dialer (sluice/dialer.py, reached from
+  mitmproxy's connect by addons/mitm_patches.py `dial_check`): only an IP
+  address this gate approved for the client connection may be dialled, never
+  a name; after the connect, the peer must be that address (else
+  `pin_mismatch`, closed before a byte passes).
 - A reload matches every open tunnel's client again (user, source) and
   re-decides the tunnel with the profile it matches now; it closes those
   the new policy refuses or whose client matches no profile any more
@@ -39,8 +40,6 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
-import ipaddress
 import logging
 
 from mitmproxy import connection, http
@@ -62,6 +61,7 @@ from sluice.addons.policy_source import LivePolicy, PolicySource
 from sluice.addons.refusals import refusal_response
 from sluice.addons.resolver import decide
 from sluice.addons.verdict import META, Verdict, verdict_of
+from sluice.dialer import Dialer, pinned_ip
 from sluice.policy.clients import rematch
 from sluice.policy.decide import Decision, Destination, check_address, check_answers, check_request, intercepts
 from sluice.policy.hosts import HostError, NameHost, parse_host
@@ -84,12 +84,16 @@ class EgressGate:
         self.identity = ClientIdentifier()
         # What the gate approved and pinned for each client connection, and
         # its tunnels, are in its ConnState (sluice/connstate.py): `approved`
-        # tells server_connect the host rules were applied, and the dial
-        # check and the connected-peer check admit nothing else.
+        # tells server_connect the host rules were applied, and the dialer
+        # (sluice/dialer.py) admits nothing else.
+        # The one dialer: it admits only what the approvals hold; a tunnel's
+        # server socket is metered by its caps (addons/quotas.py adds its own).
+        self.dialer = Dialer(self._approved_rules, audit, self._proxy_addresses, connections.close_client)
+        self.dialer.meter_sources.append(self._tunnel_meter)
 
     def load(self, loader) -> None:
         mitm_patches.install()
-        mitm_patches.set_dial_check(self.dial_allowed)
+        mitm_patches.set_dialer(self.dialer)
         mitm_patches.set_socks5_login(True)  # SOCKS5 clients may identify with username/password
         self.source.on_reload(self.revoke_refused_tunnels)
 
@@ -247,7 +251,6 @@ class EgressGate:
             # Decided with the host rules at request level; re-check the address.
             refusal = check_address(approved_rules, host, port)
             if refusal is None:
-                self.caps.watch_connect(data.client, server, approved_rules.limits)
                 return
             self._refuse_dial(data, host, port, Decision(False, None, refusal, port=port), None)
             return
@@ -273,7 +276,6 @@ class EgressGate:
         if intercept and isinstance(decision.host, NameHost):
             server.sni = decision.host.name
         self.caps.watch_client(data.client, client.rules)
-        self.caps.watch_connect(data.client, server, client.rules.limits)
 
     def _refuse_dial(self, data: ServerConnectionHookData, host: str, port: int, decision: Decision, profile: str | None) -> None:
         data.server.error = f"{decision.refusal.reason.value}: {decision.refusal.message}"
@@ -295,7 +297,7 @@ class EgressGate:
         a connection), plus those of the connection's open tunnels, which
         mitmproxy may dial again for the requests inside."""
         approved = connstate.state_of(client).approved
-        key = (_canonical_ip(address) or address, port)
+        key = (pinned_ip(address) or address, port)
         approved.pop(key, None)
         approved[key] = rules  # most recent last
         keep = rules.limits.max_upstreams_per_connection + 1
@@ -310,7 +312,7 @@ class EgressGate:
         state = connstate.peek(client)
         for tunnel in state.tunnels.values() if state is not None else ():
             if tunnel.decision.address:
-                out.add((_canonical_ip(tunnel.decision.address) or tunnel.decision.address, tunnel.port))
+                out.add((pinned_ip(tunnel.decision.address) or tunnel.decision.address, tunnel.port))
         return out
 
     def rules_for_dial(self, client: connection.Client, server: connection.Server) -> Rules | None:
@@ -324,7 +326,7 @@ class EgressGate:
         return set(state.tunnels) if state is not None else set()
 
     def _approved_rules(self, client: connection.Client, host: str, port: int) -> Rules | None:
-        ip = _canonical_ip(host)
+        ip = pinned_ip(host)
         state = connstate.peek(client)
         return state.approved.get((ip, port)) if ip is not None and state is not None else None
 
@@ -385,51 +387,14 @@ class EgressGate:
         # speed); Caps meters the bytes at the server socket instead.
         nextlayer.layer = layers.TCPLayer(context, ignore=True)
 
-    @fail_closed()
-    def server_connected(self, data: ServerConnectionHookData) -> None:
-        # The second line behind the dial check: the socket's peer must be an
-        # address this gate approved for this client connection.
-        peer_ip = _canonical_ip(data.server.peername[0]) if data.server.peername else None
-        port = data.server.peername[1] if data.server.peername else None
-        if peer_ip is None or self._approved_rules(data.client, peer_ip, port) is None:
-            self._pin_mismatch(data.client, data.server, f"the upstream connection's peer {data.server.peername} was never approved for this client connection")
-            return
-        tunnel = tunnel_of(data.client, data.server)
-        if tunnel is not None:
-            self.caps.meter_tunnel(data.client, data.server, tunnel)
+    def _tunnel_meter(self, client: connection.Client, server: connection.Server):
+        """The dialer's meter for a passed-through tunnel's server socket: its caps."""
+        tunnel = tunnel_of(client, server)
+        return self.caps.tunnel_meter(client, tunnel) if tunnel is not None else None
 
-    def dial_allowed(self, client: connection.Client, host: str, port: int) -> bool:
-        """Checked by addons/mitm_patches.py (dial_check) right before mitmproxy's TCP
-        connect (after it waited for a connection slot): only an IP address
-        approved for this client connection, never a name."""
-        rules = self._approved_rules(client, host, port) if _canonical_ip(host) is not None else None
-        if rules is not None:
-            # The gate refused the proxy's own host when it decided; this
-            # catches an address that became the host's since.
-            live = self.source.current if self.source is not None else None
-            loop = OWN_HOST.refusal(rules, live.policy.proxy_addresses if live is not None else frozenset(),
-                                    (_canonical_ip(host),), port)
-            if loop is None:
-                return True
-            self.audit.write(
-                event="connect", client=peer(client), host=str(host), port=port, decision="refuse",
-                reason=Reason.PROXY_LOOP.value, detail=f"{loop.detail}; refused before connecting",
-            )
-            return False
-        self.audit.write(
-            event="connect", client=peer(client), host=str(host), port=port, decision="refuse",
-            reason=Reason.PIN_MISMATCH.value,
-            detail=f"a dial to {_short(str(host))}:{port} was not approved for this client connection; refused before connecting",
-        )
-        return False
-
-    def _pin_mismatch(self, client: connection.Client, server: connection.Server, detail: str) -> None:
-        server.error = f"{Reason.PIN_MISMATCH.value}: {detail}"
-        connections.abort_server(client, server)
-        connections.close_client(client)
-        host, port = server.address if server.address else ("?", 0)
-        self.audit.write(event="connect", client=peer(client), host=str(host), port=port, decision="refuse",
-                         reason=Reason.PIN_MISMATCH.value, detail=detail)
+    def _proxy_addresses(self) -> frozenset[str]:
+        live = self.source.current if self.source is not None else None
+        return live.policy.proxy_addresses if live is not None else frozenset()
 
     # ---- reloads reach open tunnels ------------------------------------
 
@@ -551,19 +516,6 @@ def _not_own_host(rules: Rules, policy: Policy, decision: Decision) -> Decision:
         return decision
     return Decision(False, decision.host, refusal.with_note(rules.refusal_note), addresses=decision.addresses,
                     port=decision.port)
-
-
-@functools.lru_cache(maxsize=4096)
-def _canonical_ip(text: str) -> str | None:
-    """An IP literal in the form the gate pins (None for a name). Cached: it
-    runs several times per connection on the tunnel-setup hot path."""
-    try:
-        ip = ipaddress.ip_address(text.split("%", 1)[0])
-    except ValueError:
-        return None
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-        return str(ip.ipv4_mapped)
-    return str(ip)
 
 
 def redecide(policy: Policy, tunnel: Verdict) -> Refusal | None:

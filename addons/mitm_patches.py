@@ -85,10 +85,28 @@ from mitmproxy.proxy.layers.http._base import ReceiveHttp
 from mitmproxy.proxy.layers.http._events import ErrorCode, RequestHeaders, RequestProtocolError
 from mitmproxy.proxy.layers.http._http1 import Http1Connection, Http1Server
 
-from sluice.addons import open_files
+from sluice.dialer import DialRefused, Dialer
 from sluice.policy.model import Limits
 
 MITMPROXY_VERSION = "12.3.1"
+
+
+class Hooks:
+    """What connects Sluice's addons to these patches: one object, set by
+    the addons when they load (None: the patch behaves as shipped, or, for
+    the dial, fails closed)."""
+
+    __slots__ = ("dialer",)
+
+    def __init__(self) -> None:
+        self.dialer: Dialer | None = None  # sluice/dialer.py, by addons/gate.py
+
+
+hooks = Hooks()
+
+
+def set_dialer(dialer: Dialer | None) -> None:
+    hooks.dialer = dialer
 
 # What the head caps found; the guard turns it into a refusal.
 HEAD_TOO_LARGE = "size"
@@ -286,6 +304,31 @@ RELIED_ON = {
     ),
 }
 
+# addons/connections.py reaches into a client connection's handler: the
+# handler found by client id, its transports (reader, writer, task), its close
+# and its idle watchdog; the server streams it holds are the dialer's
+# (sluice/dialer.py), stored by open_connection (dial_check above).
+RELIED_ON["connection_handler"] = (
+    "mitmproxy.addons.proxyserver:Proxyserver.register_connection",
+    "mitmproxy.proxy.server:ConnectionHandler.__init__",
+    "mitmproxy.proxy.server:ConnectionHandler.close_connection",
+    "mitmproxy.proxy.server:TimeoutWatchdog.watch",
+)
+# addons/connection_audit.py reads mitmproxy's own refusal texts to tell its
+# refusals apart (the invalid-request 400s, the failed CONNECT's 502, a head
+# it cannot parse, the SOCKS5 errors) and its proxyserver's refusal of a dial
+# back to one of its listeners (told by the listener addresses, which
+# addons/own_host.py reads).
+RELIED_ON["mitmproxy_messages"] = (
+    "mitmproxy.proxy.layers.http:validate_request",
+    "mitmproxy.proxy.layers.http:HttpStream.handle_connect_regular",
+    "mitmproxy.net.http.http1.read:_read_request_line",
+    "mitmproxy.proxy.layers.modes:Socks5Proxy.state_greet",
+    "mitmproxy.proxy.layers.modes:Socks5Proxy.state_auth",
+    "mitmproxy.proxy.layers.modes:Socks5Proxy.state_connect",
+    "mitmproxy.addons.proxyserver:Proxyserver.server_connect",
+)
+
 _installed: set[str] = set()
 
 
@@ -437,63 +480,29 @@ PATCHES.update({
 # hook, then waits for a per-address connection slot, then reads the server
 # address *again* and calls `asyncio.open_connection` with it; `server_connected`
 # fires only after the TCP handshake, when an internal service has already
-# accepted. So the connect itself is wrapped: while a handler opens a
-# connection, `asyncio.open_connection` first asks the gate
-# (`set_dial_check`, by addons/gate.py) whether that exact (IP, port) was
-# approved for that client connection. A name is never approved, so mitmproxy
-# and the OS never resolve one. A refused dial raises OSError before any packet
-# is sent; mitmproxy reports it as a failed connect. Fails closed: with no
-# check set, every dial that a handler makes is refused.
+# accepted. So the connect itself is routed to Sluice's one dialer
+# (sluice/dialer.py, `set_dialer`, by addons/gate.py): while a handler opens a
+# connection, its `asyncio.open_connection` becomes `Dialer.dial`, which
+# checks the pin and the loop, connects within the connect timeout, checks
+# the peer and returns metered streams. A refused dial raises OSError before
+# any packet is sent; mitmproxy reports it as a failed connect. Fails closed:
+# with no dialer set, every dial that a handler makes is refused.
 
-class DialRefused(OSError):
-    pass
-
-
-class OutOfFilesDial(OSError):
-    """A dial the process had no file descriptor for (EMFILE and the like):
-    reported once (addons/open_files.py) and refused by the caps."""
-
-
-OUT_OF_FILES_DIAL = "the proxy is out of file descriptors and could not open a connection to the origin"
-UPSTREAMS_BUSY = "every upstream connection this client connection may hold is busy"
-
-
-DialCheck = Callable[[connection.Client, str, int], bool]
-_dial_check: DialCheck | None = None
-# The client connection whose handler is dialling (set for that task only).
-_dialling_for: contextvars.ContextVar[connection.Client | None] = contextvars.ContextVar("sluice_dialling_for", default=None)
-
-
-# The server connection being dialled (set for that task only), and who is
-# told of each dial the check let through, right before its socket exists
-# (addons/upstreams.py: it may close an idle one first, or refuse with a
-# sentence containing UPSTREAMS_BUSY).
-_dialling_server: contextvars.ContextVar[connection.Server | None] = contextvars.ContextVar("sluice_dialling_server", default=None)
-DialListener = Callable[[connection.Client, connection.Server], "str | None"]
-_dial_listener: DialListener | None = None
-
-
-def set_dial_check(check: DialCheck | None) -> None:
-    global _dial_check
-    _dial_check = check
-
-
-def set_dial_listener(listener: DialListener | None) -> None:
-    global _dial_listener
-    _dial_listener = listener
+# The dial of the task it runs in (set by the handler's open_connection):
+# its client connection, its server connection, and when it started (the
+# connect timeout counts from there).
+_dialling: contextvars.ContextVar[tuple | None] = contextvars.ContextVar("sluice_dialling", default=None)
 
 
 def _patch_dial_check() -> None:
     def make_open_connection(original):
         @functools.wraps(original)
         async def open_connection(self, command):
-            token = _dialling_for.set(self.client)
-            server_token = _dialling_server.set(command.connection)
+            token = _dialling.set((self.client, command.connection, asyncio.get_running_loop().time()))
             try:
                 return await original(self, command)
             finally:
-                _dialling_server.reset(server_token)
-                _dialling_for.reset(token)
+                _dialling.reset(token)
         return open_connection
 
     _wrap_once(server.ConnectionHandler, "open_connection", "__sluice_dial_check__", make_open_connection)
@@ -503,21 +512,14 @@ def _patch_dial_check() -> None:
 
     @functools.wraps(original_connect)
     async def guarded_open_connection(host=None, port=None, *args, **kwargs):
-        client = _dialling_for.get()
-        if client is not None and (_dial_check is None or not _dial_check(client, host, port)):
-            raise DialRefused(f"pin_mismatch: Sluice refused to dial {host}:{port}, which was not approved for this client connection")
-        listener, dialled = _dial_listener, _dialling_server.get()
-        if client is not None and listener is not None and dialled is not None:
-            why = listener(client, dialled)
-            if why:
-                raise DialRefused(why)
-        try:
-            return await original_connect(host, port, *args, **kwargs)
-        except OSError as e:
-            if client is None or not open_files.is_out_of_files(e):
-                raise
-            open_files.report("dialling an origin", e)
-            raise OutOfFilesDial(e.errno, OUT_OF_FILES_DIAL) from None
+        dialling = _dialling.get()
+        if dialling is None:
+            return await original_connect(host, port, *args, **kwargs)  # not a handler's dial
+        client, dialled, started = dialling
+        dialer = hooks.dialer
+        if dialer is None:
+            raise DialRefused(f"pin_mismatch: Sluice refused to dial {host}:{port}: no dialer is installed")
+        return await dialer.dial(client, dialled, host, port, original_connect, *args, started=started, **kwargs)
 
     guarded_open_connection.__sluice_dial_check__ = True
     asyncio.open_connection = guarded_open_connection

@@ -187,15 +187,18 @@ class OwnHost:
         return check_own_address(rules, addresses, port, own)
 
 
-def mitmproxy_listeners() -> list[tuple[str, int]]:
-    """mitmproxy's listening addresses (host, port) in this process."""
+def mitmproxy_listeners(transport_protocol: str | None = None) -> list[tuple[str, int]]:
+    """mitmproxy's listening addresses (host, port) in this process (only
+    those of modes on `transport_protocol`, "tcp" or "udp", if given)."""
     from mitmproxy import ctx
 
     master = getattr(ctx, "master", None)
     proxyserver = master.addons.get("proxyserver") if master is not None else None
     if proxyserver is None:
         return []
-    return [(str(host), int(port)) for instance in proxyserver.servers for host, port, *_ in instance.listen_addrs]
+    return [(str(host), int(port)) for instance in proxyserver.servers
+            if transport_protocol is None or instance.mode.transport_protocol == transport_protocol
+            for host, port, *_ in instance.listen_addrs]
 
 
 OWN_HOST = OwnHost(mitmproxy_listeners)

@@ -121,7 +121,9 @@ class Quotas:
         # slots it holds (`quota`, released with the state on disconnect by
         # addons/conn_release.py), and `transfer_meters`, server id ->
         # (tunnel verdict, client key, limits) for tunnels whose bytes count
-        # against a transfer quota, metered once connected.
+        # against a transfer quota, metered by the dialer (sluice/dialer.py) once
+        # connected, outside the caps' meter.
+        gate.dialer.meter_sources.append(self._tunnel_meter)
 
     # ---- connections ---------------------------------------------------------
 
@@ -314,14 +316,15 @@ class Quotas:
     def _meter_later(self, client: connection.Client, server: connection.Server, verdict: Verdict, key: tuple, limits: Limits) -> None:
         connstate.state_of(client).transfer_meters[server.id] = (verdict, key, limits)
 
-    def server_connected(self, data: ServerConnectionHookData) -> None:
-        state = connstate.peek(data.client)
-        entry = state.transfer_meters.pop(data.server.id, None) if state is not None else None
+    def _tunnel_meter(self, client: connection.Client, server: connection.Server):
+        """The dialer's meter for a tunnel under a transfer quota (None: not one)."""
+        state = connstate.peek(client)
+        entry = state.transfer_meters.pop(server.id, None) if state is not None else None
         if entry is None:
-            return
+            return None
         verdict, key, limits = entry
         meter = quotas.TransferMeter(self.counters, key, limits.bytes_per_hour)
-        client, clock, loop = data.client, self.clock, asyncio.get_running_loop()
+        clock, loop = self.clock, asyncio.get_running_loop()
 
         def count(from_client: bool, n: int) -> int:
             if verdict.cap is not None:
@@ -336,7 +339,7 @@ class Quotas:
                 loop.call_soon(self.caps.cut_tunnel, client, verdict, quotas.transfer_refusal(limits, resets_in, cut=True))
             return granted
 
-        connections.meter_server(client, data.server, count)
+        return count
 
     def server_connect_error(self, data: ServerConnectionHookData) -> None:
         state = connstate.peek(data.client)

@@ -13,9 +13,8 @@ busy, the dial is refused (429 `too_many_connections`, answered by
 addons/caps.py). The gate's approval table for the connection is bounded by
 the same limit (addons/gate.py).
 
-It acts at the dial itself (addons/mitm_patches.py `dial_check` tells it,
-after the gate approved the address and after mitmproxy waited for its
-per-address slot): a dial that waits, or that the gate or the quotas
+It acts at the dial itself (the dialer, sluice/dialer.py, asks it, after
+the pin check and after mitmproxy waited for its per-address slot): a dial that waits, or that the gate or the quotas
 refused, never costs another connection its socket.
 """
 
@@ -25,9 +24,10 @@ from mitmproxy import connection, http
 from mitmproxy.proxy.server_hooks import ServerConnectionHookData
 
 from sluice import connstate
-from sluice.addons import connections, mitm_patches
+from sluice.addons import connections
 from sluice.addons.audit import AuditLog
 from sluice.addons.gate import EgressGate
+from sluice.dialer import UPSTREAMS_BUSY
 
 
 class Upstreams:
@@ -39,10 +39,10 @@ class Upstreams:
         # server id -> server, least recently used first.
 
     def load(self, loader) -> None:
-        mitm_patches.set_dial_listener(self.before_dial)
+        self.gate.dialer.room = self.before_dial
 
     def done(self) -> None:
-        mitm_patches.set_dial_listener(None)
+        self.gate.dialer.room = None
 
     def open_count(self, client: connection.Client) -> int:
         state = connstate.peek(client)
@@ -64,7 +64,7 @@ class Upstreams:
                     del held[server_id]
                     connections.close_server(client, old)
             if len(held) >= limit:
-                return (f"{mitm_patches.UPSTREAMS_BUSY}: it holds {len(held)} upstream connections, "
+                return (f"{UPSTREAMS_BUSY}: it holds {len(held)} upstream connections, "
                         "this policy's limits.max_upstreams_per_connection, all in use")
         held[server.id] = server
         return None

@@ -84,7 +84,7 @@ class ConnState:
     # identity (addons/identity.py): the profile its SOCKS5 login matched, and the username
     socks_login: tuple[str | None, str] | None = None
     # the gate (addons/gate.py): (ip, port) -> the rules that approved it; the
-    # dial check and the connected-peer check admit nothing else
+    # dialer (sluice/dialer.py) admits nothing else
     approved: dict[tuple[str, int], Rules] = field(default_factory=dict)
     # the gate: tunnel server connection id -> the tunnel's verdict (its real host)
     tunnels: dict[str, Any] = field(default_factory=dict)

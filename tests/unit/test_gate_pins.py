@@ -1,15 +1,18 @@
 """The gate's per-connection pins and the pure checks behind interception and
-reloads, without a network: the dial check and the connected-peer check
+reloads, without a network: the dialer's pin check and connected-peer check
 refuse what the gate never approved; tunnels are re-decided with live rules."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 from mitmproxy import connection
-from mitmproxy.proxy.server_hooks import ServerConnectionHookData
 
-from sluice.addons import connections, gate
-from sluice.addons.gate import EgressGate, _canonical_ip, _fronting, _live_rules, still_allowed
+from sluice import dialer
+from sluice.addons import gate
+from sluice.addons.gate import EgressGate, _fronting, _live_rules, still_allowed
+from sluice.dialer import pinned_ip as _canonical_ip
 from sluice.addons.verdict import Verdict
 from sluice.policy.decide import Decision
 from sluice.policy.loader import load_policy_text
@@ -42,11 +45,11 @@ def test_only_an_approved_ip_and_port_may_be_dialled():
     g, audit = make_gate()
     c, other = client(), client()
     g._approve(c, "8.8.8.8", 443, Rules())
-    assert g.dial_allowed(c, "8.8.8.8", 443)
-    assert not g.dial_allowed(c, "8.8.8.8", 80)  # another port
-    assert not g.dial_allowed(other, "8.8.8.8", 443)  # another client connection
-    assert not g.dial_allowed(c, "169.254.169.254", 443)
-    assert not g.dial_allowed(c, "public.example", 443)  # a name is never dialled
+    assert g.dialer.approved(c, "8.8.8.8", 443) is not None
+    assert not g.dialer.approved(c, "8.8.8.8", 80)  # another port
+    assert not g.dialer.approved(other, "8.8.8.8", 443)  # another client connection
+    assert not g.dialer.approved(c, "169.254.169.254", 443)
+    assert not g.dialer.approved(c, "public.example", 443)  # a name is never dialled
     assert [line["reason"] for line in audit.lines] == ["pin_mismatch"] * 4
 
 
@@ -54,36 +57,71 @@ def test_approvals_compare_addresses_canonically():
     g, _ = make_gate()
     c = client()
     g._approve(c, "2606:4700:4700:0:0:0:0:1111", 443, Rules())
-    assert g.dial_allowed(c, "2606:4700:4700::1111", 443)
+    assert g.dialer.approved(c, "2606:4700:4700::1111", 443)
     assert _canonical_ip("::ffff:8.8.8.8") == "8.8.8.8"
     assert _canonical_ip("fe80::1%eth0") == "fe80::1"
     assert _canonical_ip("example.com") is None
 
 
-def test_a_connected_peer_that_was_never_approved_is_closed_at_once(monkeypatch):
+class FakeTransport:
+    def __init__(self, closed):
+        self.closed = closed
+
+    def abort(self):
+        self.closed.append(("server", self))
+
+
+class FakeWriter:
+    """What asyncio.open_connection returns, connected to `peername`."""
+
+    def __init__(self, peername, closed):
+        self.peername, self.transport = peername, FakeTransport(closed)
+
+    def get_extra_info(self, name):
+        return self.peername if name == "peername" else None
+
+    def close(self):
+        pytest.fail("a refused peer's socket is aborted, not closed gracefully")
+
+
+def _dial_connected_to(g, c, address, peername):
+    """The gate's dialer dialling `address`, the socket landing on `peername`."""
+    server = connection.Server(address=address)
+
+    async def connect(host, port, **kwargs):
+        return object(), FakeWriter(peername, closed)
+
+    async def scenario():
+        try:
+            return await g.dialer.dial(c, server, *address, connect)
+        finally:
+            await asyncio.sleep(0)  # the client's close is scheduled, not done inside the dial
+
     closed = []
-    monkeypatch.setattr(connections, "abort_server", lambda c, s: closed.append(("server", s)))
-    monkeypatch.setattr(connections, "close_client", lambda c: closed.append(("client", c)))
+    return closed, scenario
+
+
+def test_a_connected_peer_that_was_never_approved_is_closed_at_once():
     g, audit = make_gate()
     c = client()
+    g.dialer.close_client = lambda client_: closed.append(("client", client_))
     g._approve(c, "8.8.8.8", 80, Rules())
-    server = connection.Server(address=("8.8.8.8", 80))
-    server.peername = ("10.0.0.1", 80)  # connected somewhere else than approved
-    g.server_connected(ServerConnectionHookData(client=c, server=server))
+    closed, scenario = _dial_connected_to(g, c, ("8.8.8.8", 80), ("10.0.0.1", 80))  # connected somewhere else
+    with pytest.raises(dialer.DialRefused) as refused:
+        asyncio.run(scenario())
     assert [kind for kind, _ in closed] == ["server", "client"]
-    assert server.error and server.error.startswith("pin_mismatch")
+    assert str(refused.value).startswith("pin_mismatch")  # mitmproxy's server.error for the failed dial
     assert audit.lines[-1]["reason"] == "pin_mismatch"
 
 
-def test_an_approved_peer_passes_the_connected_check(monkeypatch):
-    monkeypatch.setattr(connections, "abort_server", lambda c, s: pytest.fail("closed an approved peer"))
+def test_an_approved_peer_passes_the_connected_check():
     g, audit = make_gate()
     c = client()
+    g.dialer.close_client = lambda client_: pytest.fail("closed an approved peer")
     g._approve(c, "8.8.8.8", 80, Rules())
-    server = connection.Server(address=("8.8.8.8", 80))
-    server.peername = ("8.8.8.8", 80)
-    g.server_connected(ServerConnectionHookData(client=c, server=server))
-    assert server.error is None and audit.lines == []
+    closed, scenario = _dial_connected_to(g, c, ("8.8.8.8", 80), ("::ffff:8.8.8.8", 80, 0, 0))
+    reader, writer = asyncio.run(scenario())
+    assert writer.peername[0] == "::ffff:8.8.8.8" and closed == [] and audit.lines == []
 
 
 def _tunnel(host: str, port: int, address: str, profile=None) -> Verdict:
@@ -135,7 +173,7 @@ def test_every_place_a_request_names_a_host_must_name_the_tunnels(host_header, s
 
 def test_the_dial_guard_is_installed_when_the_gate_loads(monkeypatch):
     installed = []
-    monkeypatch.setattr(gate.mitm_patches, "set_dial_check", lambda check: installed.append(check))
+    monkeypatch.setattr(gate.mitm_patches, "set_dialer", lambda dialer_: installed.append(dialer_))
 
     class Source:
         def on_reload(self, callback):
@@ -143,7 +181,7 @@ def test_the_dial_guard_is_installed_when_the_gate_loads(monkeypatch):
 
     g = EgressGate(source=Source(), audit=RecordingAudit(), caps=NoCaps())
     g.load(None)
-    assert installed == [g.dial_allowed, g.revoke_refused_tunnels]
+    assert installed == [g.dialer, g.revoke_refused_tunnels]
 
 
 

@@ -71,6 +71,14 @@ RECORDED = {
     "mitmproxy.proxy.layers.http._http_h2:BufferedH2Connection.__init__": "73fce8e17f54112a",
     "mitmproxy.proxy.layers.http:HttpLayer.get_connection": "1aa1c63e3175766c",
     "mitmproxy.proxy.layers.http:HttpClient._handle_event": "bc1cae775a49a4fe",
+    "mitmproxy.addons.proxyserver:Proxyserver.register_connection": "d79bb91554a8bda2",
+    "mitmproxy.proxy.server:ConnectionHandler.__init__": "ffb8e6c9e6c6d020",
+    "mitmproxy.proxy.server:ConnectionHandler.close_connection": "c0d10cc05dd65b80",
+    "mitmproxy.proxy.server:TimeoutWatchdog.watch": "eee8e7085dba9250",
+    "mitmproxy.proxy.layers.http:validate_request": "e7cec257ce91b7c5",
+    "mitmproxy.proxy.layers.http:HttpStream.handle_connect_regular": "ae920a52067801dc",
+    "mitmproxy.net.http.http1.read:_read_request_line": "f212df4b4badf61b",
+    "mitmproxy.addons.proxyserver:Proxyserver.server_connect": "1fc787ebda12ea02",
 }
 
 
@@ -308,16 +316,24 @@ def _client() -> connection.Client:
 
 
 async def _dial_as(client, host, port):
-    """Dial the way a mitmproxy handler's task does, with the client set."""
-    token = mitm_patches._dialling_for.set(client)
+    """Dial the way a mitmproxy handler's task does, with its dial set."""
+    token = mitm_patches._dialling.set((client, None, asyncio.get_running_loop().time()))
     try:
         reader, writer = await asyncio.open_connection(host, port)
         writer.close()
     finally:
-        mitm_patches._dialling_for.reset(token)
+        mitm_patches._dialling.reset(token)
+
+
+class _Audit:
+    def write(self, **record):
+        pass
 
 
 def test_dial_check_refuses_before_connecting_and_admits_what_it_approves():
+    from sluice.dialer import Dialer
+    from sluice.policy.model import Rules
+
     mitm_patches.install()
     accepted = []
 
@@ -329,9 +345,9 @@ def test_dial_check_refuses_before_connecting_and_admits_what_it_approves():
 
         def check(client, host, port_):
             asked.append((client, host, port_))
-            return client is me and host == "127.0.0.1"
+            return Rules() if client is me and host == "127.0.0.1" else None
 
-        mitm_patches.set_dial_check(check)
+        mitm_patches.set_dialer(Dialer(check, _Audit()))
         try:
             with pytest.raises(mitm_patches.DialRefused):
                 await _dial_as(other, "127.0.0.1", port)
@@ -345,12 +361,13 @@ def test_dial_check_refuses_before_connecting_and_admits_what_it_approves():
             # Outside a handler's dial (no client set), asyncio is untouched.
             reader, writer = await asyncio.open_connection("127.0.0.1", port)
             writer.close()
-            assert [a[1] for a in asked] == ["127.0.0.1", "localhost", "127.0.0.1"]
-            mitm_patches.set_dial_check(None)
-            with pytest.raises(mitm_patches.DialRefused):  # no check: fail closed
+            # A name is refused before the table is even asked.
+            assert [a[1] for a in asked] == ["127.0.0.1", "127.0.0.1"]
+            mitm_patches.set_dialer(None)
+            with pytest.raises(mitm_patches.DialRefused):  # no dialer: fail closed
                 await _dial_as(me, "127.0.0.1", port)
         finally:
-            mitm_patches.set_dial_check(None)
+            mitm_patches.set_dialer(None)
             server.close()
 
     asyncio.run(scenario())
