@@ -1,5 +1,6 @@
 """The things compared: the origin directly, plain mitmdump, Sluice with two
-policies, Sluice with two worker processes, and tinyproxy. `roles` says which
+policies, Sluice with two worker processes, tinyproxy, and proxy.py (a lean
+pure-Python proxy: what a Python proxy without mitmproxy's machinery costs). `roles` says which
 phases measure a contender (micro needs none). Each proxy is its
 own process (or process tree, for --workers) on its own port."""
 
@@ -81,6 +82,7 @@ def all_contenders() -> list[Contender]:
         Contender("sluice-10k", "Sluice, 10k patterns + 1k CIDRs", 18082),
         Contender("sluice-limits", "Sluice, default policy + every quota limit on", 18088, frozenset({"http", "connect"})),
         Contender("tinyproxy", "tinyproxy (reference)", 18083),
+        Contender("proxypy", "proxy.py (pure Python, 1 worker, 1 acceptor)", 18084, frozenset({"http", "connect"})),
     ]
 
 
@@ -135,6 +137,8 @@ def start(c: Contender, root: Path, policies: dict[str, Path], wrapper: list[str
                                             "baseline" if c.key == "sluice-baseline" else "default"])
         elif c.key == "tinyproxy":
             _start_tinyproxy(c, root, wrapper)
+        elif c.key == "proxypy":
+            _start_proxypy(c, root, wrapper)
         c.proc.wait_port(LISTEN, c.port, timeout=30)
         if c.workers > 1:
             # The port answers as soon as the first worker listens; wait for
@@ -219,3 +223,16 @@ def _start_tinyproxy(c: Contender, root: Path, wrapper: list[str] | None) -> Non
         c.url_host = ORIGIN_IP
         c.notes.append("sent the IP literal (no private /etc/hosts possible here)")
     c.proc = procs.Proc(c.key, (wrapper or []) + [exe, "-d", "-c", str(conf)], root / f"{c.key}.log").start()
+
+
+def _start_proxypy(c: Contender, root: Path, wrapper: list[str] | None) -> None:
+    """proxy.py as its README starts it for one core: one worker, one acceptor
+    (its default log level: a line per request, as Sluice writes an audit line)."""
+    exe = VENV_BIN / "proxy"
+    if not exe.exists():
+        raise procs.StartError(f"{exe} not found (`python -m bench deps` installs proxy.py into the venv)")
+    if wrapper is None:
+        c.url_host = ORIGIN_IP
+        c.notes.append("sent the IP literal (no private /etc/hosts possible here)")
+    argv = [str(exe), "--hostname", LISTEN, "--port", str(c.port), "--num-workers", "1", "--num-acceptors", "1"]
+    c.proc = procs.Proc(c.key, (wrapper or []) + argv, root / f"{c.key}.log").start()

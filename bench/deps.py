@@ -1,4 +1,5 @@
-"""Installs the benchmark's outside tools from Debian's packages when missing.
+"""Installs the benchmark's outside tools when missing: nginx, wrk and
+tinyproxy from Debian's packages, proxy.py from PyPI into the venv.
 
 Runs outside the namespace (there is no package registry inside it); `make
 bench` calls it first. Never fails the build: a tool still missing makes its
@@ -14,6 +15,8 @@ import sys
 from pathlib import Path
 
 PACKAGES = {"nginx": "nginx-light", "wrk": "wrk", "tinyproxy": "tinyproxy"}
+# A contender, not a dependency of Sluice: pinned here, installed into the venv.
+PYTHON_PACKAGES = {"proxy": "proxy.py==2.4.10"}
 POLICY_RC = Path("/usr/sbin/policy-rc.d")  # tells Debian packages not to start their services
 
 
@@ -26,6 +29,7 @@ def missing() -> list[str]:
 
 
 def ensure() -> int:
+    _ensure_python()
     need = missing()
     if not need:
         return 0
@@ -59,3 +63,21 @@ def ensure() -> int:
     if still:
         print(f"bench: still missing {' '.join(still)}; those contenders will be n/a", file=sys.stderr)
     return 0
+
+
+def _ensure_python() -> None:
+    bin_dir = Path(sys.executable).parent
+    need = [spec for exe, spec in PYTHON_PACKAGES.items() if not (bin_dir / exe).exists()]
+    if not need:
+        return
+    if os.environ.get("SLUICE_NETNS") == "1":
+        print(f"bench: missing {' '.join(need)}; cannot install inside the namespace (run `make bench`)", file=sys.stderr)
+        return
+    print(f"bench: installing {' '.join(need)} into {sys.prefix}", file=sys.stderr)
+    try:
+        done = subprocess.run([sys.executable, "-m", "pip", "install", "-q", *need], timeout=600)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        print(f"bench: pip failed: {e}", file=sys.stderr)
+        return
+    if done.returncode != 0:
+        print(f"bench: pip could not install {' '.join(need)}; that contender will be n/a", file=sys.stderr)

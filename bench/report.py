@@ -8,7 +8,8 @@ from pathlib import Path
 from bench import micro
 
 BASE = "mitmdump"
-ORDER = ["direct", "mitmdump", "sluice", "sluice-w2", "sluice-10k", "sluice-limits", "tinyproxy", "mitmdump-tcp"]
+ORDER = ["direct", "mitmdump", "sluice", "sluice-w2", "sluice-10k", "sluice-limits", "proxypy", "tinyproxy",
+         "mitmdump-tcp"]
 SCALE = "sluice-w2"  # Sluice --workers 2, not pinned
 
 # Targets from the issue.
@@ -16,6 +17,9 @@ RPS_MIN = 0.90  # Sluice default req/s >= 90% of mitmdump's
 P50_MAX = 1.10  # Sluice default p50 <= +10% of mitmdump's
 LARGE_EXTRA = 0.05  # the 10k policy costs no more than 5% beyond the default policy
 TUNNEL_MIN = 0.90
+# Issue 20: against a lean pure-Python proxy (proxy.py, one worker) and mitmdump.
+CONNECT_VS_PROXYPY_MIN = 0.45  # Sluice's CONNECT setups/s >= 0.45x proxy.py's
+KEEPALIVE_VS_MITMDUMP_MIN = 1.7  # Sluice's keep-alive req/s >= 1.7x mitmdump's
 
 
 def _num(x: float) -> str:
@@ -126,7 +130,7 @@ def tunnel_table(results: dict) -> list[str]:
     return lines
 
 
-CONNECT_ORDER = ["mitmdump", "sluice", "sluice-baseline", "sluice-10k", "sluice-limits", "tinyproxy", "direct"]
+CONNECT_ORDER = ["mitmdump", "sluice", "sluice-baseline", "sluice-10k", "sluice-limits", "proxypy", "tinyproxy", "direct"]
 BASELINE = Path(__file__).resolve().parent / "connect-baseline.json"  # measured before the security work
 
 
@@ -233,6 +237,21 @@ def targets(results: dict) -> list[tuple[str, str, bool | None]]:
                         f"req/s {r - 1:+.0%}, p50 {p - 1:+.0%}", r >= 1 - LARGE_EXTRA and p <= 1 + LARGE_EXTRA))
         else:
             out.append((f"10k policy vs default policy ({conns} conns)", "n/a", None))
+    for conns, rows in results["http"].items():
+        s = rows.get("sluice", {})
+        if s.get("rps_ratio") is not None:
+            out.append((f"Sluice keep-alive req/s ≥ {KEEPALIVE_VS_MITMDUMP_MIN:g}× mitmdump's ({conns} conns)",
+                        _ratio(s["rps_ratio"]), s["rps_ratio"] >= KEEPALIVE_VS_MITMDUMP_MIN))
+        if s.get("rps_vs_proxypy") is not None:
+            out.append((f"Sluice keep-alive req/s vs proxy.py's ({conns} conns; no target)",
+                        f"{_ratio(s['rps_vs_proxypy'])}, CPU per request {_ratio(s.get('cpu_vs_proxypy'))}", None))
+    c = (results.get("connect") or {}).get("sluice", {})
+    if c.get("rate_vs_proxypy") is not None:
+        out.append((f"Sluice CONNECT setups/s ≥ {CONNECT_VS_PROXYPY_MIN:g}× proxy.py's",
+                    f"{_ratio(c['rate_vs_proxypy'])}, CPU per setup {_ratio(c.get('cpu_vs_proxypy'))}",
+                    c["rate_vs_proxypy"] >= CONNECT_VS_PROXYPY_MIN))
+    elif results.get("connect"):
+        out.append((f"Sluice CONNECT setups/s ≥ {CONNECT_VS_PROXYPY_MIN:g}× proxy.py's", "n/a", None))
     t = results["tunnel"].get("sluice", {})
     if t.get("ratio") is not None:
         out.append((f"Sluice tunnel throughput ≥ {TUNNEL_MIN:.0%} of mitmdump's", f"{t['ratio']:.0%}", t["ratio"] >= TUNNEL_MIN))
@@ -291,14 +310,15 @@ def scaling_note(results: dict) -> str | None:
 def target_table(results: dict) -> list[str]:
     lines = ["| Target | Measured | Met |", "|---|---:|:---:|"]
     for what, value, ok in targets(results):
-        lines.append(f"| {what} | {value} | {'n/a' if ok is None else 'yes' if ok else '**no**'} |")
+        met = ("–" if "no target" in what else "n/a") if ok is None else "yes" if ok else "**no**"
+        lines.append(f"| {what} | {value} | {met} |")
     return lines
 
 
 def machine_line(results: dict) -> str:
     m = results["machine"]
     return (f"Machine: {m['nproc']} CPUs ({m['cpu']}), {m['memory_gib']} GiB RAM, Linux {m['kernel']}; "
-            f"Python {m['python']}, mitmproxy {m['mitmproxy']}, {m['nginx']}, {m['wrk']}, {m['tinyproxy']}. "
+            f"Python {m['python']}, mitmproxy {m['mitmproxy']}, {m['nginx']}, {m['wrk']}, {m['tinyproxy']}, {m.get('proxypy', 'proxy.py ?')}. "
             f"Origin: {results.get('origin')}. {m['date']}.")
 
 

@@ -143,8 +143,18 @@ def machine() -> dict:
         "kernel": platform.release(), "python": platform.python_version(), "mitmproxy": mitm,
         "nginx": version(["nginx", "-v"]), "wrk": version(["wrk", "-v"]).split(" [")[0],
         "tinyproxy": version(["tinyproxy", "-v"]),
+        "proxypy": _package_version("proxy.py"),
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
     }
+
+
+def _package_version(name: str) -> str:
+    import importlib.metadata
+
+    try:
+        return f"{name} {importlib.metadata.version(name)}"
+    except importlib.metadata.PackageNotFoundError:
+        return f"{name} not installed"
 
 
 def _raise_nofile() -> None:
@@ -359,7 +369,9 @@ def idle_phase(everyone: list[C.Contender], s: Settings, results: dict, log) -> 
         time.sleep(1.0)  # let the proxy close its upstream sides
 
 
-KEY = ("mitmdump", "sluice", "sluice-10k", "sluice-limits")  # measured every round; the rest are references
+# Measured every round; the rest are references. proxy.py too: the targets
+# are ratios against it, paired by round.
+KEY = ("mitmdump", "sluice", "sluice-10k", "sluice-limits", "proxypy")
 # Also measured every round, but left out of KEY's quiet-round test: its
 # workers share both CPUs with the load side, and its ratios get their own.
 SCALE = "sluice-w2"
@@ -480,6 +492,9 @@ def http_phase(everyone: list[C.Contender], s: Settings, root: Path, results: di
                 row["rps_ratio"] = _paired(per, c.key, "mitmdump", "rps", pick)
                 row["p50_ratio"] = _paired(per, c.key, "mitmdump", "p50_us", pick)
                 row["cpu_ratio"] = _paired(per, c.key, "mitmdump", "cpu_us_per_req", pick)
+            if c.key.startswith("sluice") and c.key != SCALE:
+                row["rps_vs_proxypy"] = _paired(per, c.key, "proxypy", "rps", use)
+                row["cpu_vs_proxypy"] = _paired(per, c.key, "proxypy", "cpu_us_per_req", use)
             if c.key == "sluice-10k":
                 row["rps_vs_default"] = _paired(per, c.key, "sluice", "rps", use)
                 row["p50_vs_default"] = _paired(per, c.key, "sluice", "p50_us", use)
@@ -492,8 +507,8 @@ def http_phase(everyone: list[C.Contender], s: Settings, root: Path, results: di
         results["http"][str(conns)] = summary
 
 
-# Every round; tinyproxy and direct are references.
-CONNECT_KEYS = ("mitmdump", "sluice", "sluice-baseline", "sluice-10k", "sluice-limits")
+# Every round (proxy.py too: a target is a ratio against it); tinyproxy and direct are references.
+CONNECT_KEYS = ("mitmdump", "sluice", "sluice-baseline", "sluice-10k", "sluice-limits", "proxypy")
 
 
 def connect_phase(everyone: list[C.Contender], s: Settings, results: dict, log) -> None:
@@ -572,6 +587,9 @@ def connect_phase(everyone: list[C.Contender], s: Settings, results: dict, log) 
             row["rate_ratio"] = _paired(per, c.key, "mitmdump", "rate", pick)
             row["p50_ratio"] = _paired(per, c.key, "mitmdump", "p50_ms", pick)
             row["cpu_ratio"] = _paired(per, c.key, "mitmdump", "cpu_us_per_setup", pick)
+        if c.key.startswith("sluice"):
+            row["rate_vs_proxypy"] = _paired(per, c.key, "proxypy", "rate", use)
+            row["cpu_vs_proxypy"] = _paired(per, c.key, "proxypy", "cpu_us_per_setup", use)
         if c.key in ("sluice-10k", "sluice-baseline"):
             row["rate_vs_default"] = _paired(per, c.key, "sluice", "rate", use)
             row["cpu_vs_default"] = _paired(per, c.key, "sluice", "cpu_us_per_setup", use)
