@@ -215,6 +215,126 @@ def _clean(root, *, chrome: bool, negative: re.Pattern = _NEGATIVE) -> None:
             stack.append(child)
 
 
+# --- structure the extractors would lose ------------------------------------
+
+_TEX = re.compile(r"tex", re.IGNORECASE)
+_MATH_SKIP = {"annotation", "annotation-xml"}
+
+
+def _math_text(math) -> str:
+    """A formula as text: its `alttext`, else its TeX annotation (both as `$…$`), else its text content."""
+    alt = _collapse(math.get("alttext") or "")
+    if alt:
+        return f"${alt}$"
+    for ann in math.iter("annotation"):
+        if _TEX.search(ann.get("encoding") or ""):
+            tex = _collapse(ann.text_content())
+            if tex:
+                return f"${tex}$"
+    parts = []
+    skip = 0
+    for event, el in etree.iterwalk(math, events=("start", "end")):
+        inside = el is not math
+        if event == "start":
+            if skip or el.tag in _MATH_SKIP:
+                skip += 1
+            elif el.text:
+                parts.append(el.text)
+        else:
+            if skip:
+                skip -= 1
+            if not skip and inside and el.tail:
+                parts.append(el.tail)
+    return _collapse("".join(parts))
+
+
+def _replace_with_text(el, text: str) -> None:
+    """Put `text` (then `el`'s tail) where `el` was, and remove `el`."""
+    parent = el.getparent()
+    if parent is None:
+        return
+    text = text + (el.tail or "")
+    prev = el.getprevious()
+    if prev is not None:
+        prev.tail = (prev.tail or "") + text
+    else:
+        parent.text = (parent.text or "") + text
+    parent.remove(el)
+
+
+def _maths(body) -> None:
+    """Each <math> becomes its text, inline (MathML is otherwise never content and vanished:
+    "When , there are two solutions to and they are")."""
+    for math in [el for el in body.iter("math") if el.getparent() is not None]:
+        # An outer <math> already replaced takes its inner ones with it.
+        if any(a.tag == "math" for a in math.iterancestors()):
+            continue
+        _replace_with_text(math, _math_text(math))
+
+
+# A table is for layout, not data, when a cell holds what a data cell never
+# does: a heading, an article or section, a nested table, two or more
+# paragraphs or lists, or more text than a long sentence or two.
+_LAYOUT_ROLES = {"presentation", "none"}
+_CELL_BLOCKS = {"p", "div", "ul", "ol", "dl", "blockquote", "pre", "form"}
+_CELL_SECTIONS = {"h1", "h2", "h3", "h4", "h5", "h6", "article", "section", "main", "table", "header"}
+_CELL_MAX_TEXT = 800
+_TABLE_PARTS = {"thead", "tbody", "tfoot", "tr", "td", "th", "caption", "colgroup", "col"}
+
+
+def _layout_tables(body) -> None:
+    """Tables used for layout are read as their content: the table, its rows and
+    cells become plain blocks (a layout table flattened a whole article into one
+    row). One pass, whatever the nesting: each element is charged to the cell of
+    its nearest table, then the layout tables' own parts are renamed."""
+    tables: list[dict] = []
+    frames: list[tuple[dict | None, dict | None]] = []  # per open element: (its table, its cell)
+    for event, el in etree.iterwalk(body, events=("start", "end")):
+        if event == "end":
+            frames.pop()
+            if el.tail and frames and frames[-1][1] is not None:
+                frames[-1][1]["text"] += len(el.tail.strip())
+            continue
+        tag = el.tag if isinstance(el.tag, str) else ""
+        table, cell = frames[-1] if frames else (None, None)
+        if tag == "table":
+            if cell is not None:
+                table["layout"] = True  # a table nested in a cell: the outer one is for layout
+            rec = {"el": el, "layout": (el.get("role") or "").lower() in _LAYOUT_ROLES, "parts": [], "cells": []}
+            tables.append(rec)
+            frames.append((rec, None))
+        elif table is not None and cell is None and tag in _TABLE_PARTS:
+            table["parts"].append(el)
+            if tag in {"td", "th"}:
+                cell = {"blocks": 0, "text": len(el.text.strip()) if el.text else 0}
+                table["cells"].append(cell)
+            frames.append((table, cell))
+        else:
+            if cell is not None:
+                if tag in _CELL_SECTIONS:
+                    table["layout"] = True
+                elif tag in _CELL_BLOCKS:
+                    cell["blocks"] += 1
+                if el.text:
+                    cell["text"] += len(el.text.strip())
+            frames.append((table, cell))
+    for rec in tables:
+        if not (rec["layout"] or any(c["blocks"] >= 2 or c["text"] > _CELL_MAX_TEXT for c in rec["cells"])):
+            continue
+        rec["el"].tag = "div"
+        for part in rec["parts"]:
+            part.tag = "div"
+            for attr in ("colspan", "rowspan"):
+                part.attrib.pop(attr, None)
+
+
+def _prepare(body) -> None:
+    """What trafilatura and html2text would lose or misread, made plain first (after
+    hidden text is dropped, before never-content is)."""
+    _maths(body)
+    _layout_tables(body)
+
+
 # --- scoring ---------------------------------------------------------------
 
 _PARAGRAPHS = {"p", "pre", "blockquote", "td", "dd", "li", "h2", "h3", "h4"}
@@ -376,10 +496,156 @@ def _fence_code(nodes: list) -> dict[str, str]:
             if parent is None:  # the node itself is a <pre>
                 continue
             parent.replace(pre, repl)
+        _figures(node, blocks, nonce)
     return blocks
 
 
+_FIGURE_INLINE = {"a", "picture", "span", "div"}
+_URL_UNSAFE = str.maketrans({" ": "%20", "(": "%28", ")": "%29", "<": "%3C", ">": "%3E"})
+_ALT_MAX_CHARS = 500
+
+
+def _image_markdown(img) -> str:
+    alt = _collapse(img.get("alt") or "")[:_ALT_MAX_CHARS]
+    alt = alt.replace("\\", "\\\\").replace("[", "\\[").replace("]", "\\]")
+    return f"![{alt}]({img.get('src').translate(_URL_UNSAFE)})"
+
+
+def _figures(node, blocks: dict[str, str], nonce: str) -> None:
+    """Each figure's images become placeholders (markdown images once the extractor
+    is done, which would drop them) with the caption as the paragraph after them
+    (trafilatura dropped figures whole, caption included)."""
+    for fig in list(node.iter("figure")):
+        if fig.getparent() is None:
+            continue
+        imgs = [img for img in fig.iter("img") if img.get("src")]
+        if not imgs:
+            continue
+        for img in imgs:
+            # The placeholder replaces the image's wrapper (a link, a <picture>) when the
+            # image is all it holds: a placeholder inside a link's text would break it.
+            target = img
+            while target.getparent() is not None and target.getparent() is not fig \
+                    and target.getparent().tag in _FIGURE_INLINE and len(target.getparent()) == 1 \
+                    and not (target.getparent().text or "").strip():
+                target = target.getparent()
+            key = f"SLUICECODE{nonce}X{len(blocks)}"
+            blocks[key] = _image_markdown(img)
+            repl = lxml_html.Element("p")
+            repl.text = key
+            repl.tail = target.tail
+            target.getparent().replace(target, repl)
+        fig.tag = "div"
+        for cap in fig.iter("figcaption"):
+            cap.tag = "div" if any(isinstance(c.tag, str) and c.tag in _BLOCK for c in cap) else "p"
+
+
 _PLACEHOLDER = re.compile(r"SLUICECODE[0-9a-f]{12}X[0-9]+")
+
+
+_LIST_ITEM = re.compile(r"([-*+]|[0-9]{1,9}[.)])(?:[ \t]+|$)")
+_FENCE_LINE = re.compile(r"(`{3,}|~{3,})")
+_TABLE_ROW = re.compile(r"( *)\|.*\|[ \t]*$")
+_CELL_SPLIT = re.compile(r"(?<!\\)\|")
+_DELIMITER_CELL = re.compile(r":?-+:?")
+
+
+def _normalise(md: str) -> str:
+    """The extractor's markdown made valid CommonMark/GFM for what it holds: no
+    line indented into a code block (the page's tab indentation came through on
+    list items, headings and prose: only <pre> becomes code, and those are still
+    placeholders here), list items nested at their parent's content column, and
+    every pipe table with its delimiter row. One pass over the lines."""
+    lines: list[str] = []
+    items: list[tuple[int, int]] = []  # open list items: (source indent, output content column)
+    fence = ""  # a fence the extractor wrote itself: its lines are kept as they are
+    blank = True
+    for line in md.split("\n"):
+        if fence:
+            lines.append(line)
+            if line.strip().startswith(fence) and not line.strip().strip(fence[0]):
+                fence = ""
+            continue
+        expanded = line.expandtabs(4)
+        text = expanded.lstrip(" ")
+        indent = len(expanded) - len(text)
+        if not text:
+            lines.append("")
+            blank = True
+            continue
+        m = _FENCE_LINE.match(text)
+        if m:
+            fence, items, blank = m.group(1), [], False
+            lines.append(text)
+            continue
+        m = _LIST_ITEM.match(text)
+        if m:
+            while items and items[-1][0] >= indent:
+                items.pop()
+            column = items[-1][1] if items else 0
+            marker = m.group(1)
+            items.append((indent, column + len(marker) + 1))
+            lines.append((" " * column + marker + " " + text[m.end():]).rstrip())
+        else:
+            if indent == 0 and blank:
+                items = []
+            elif blank:
+                while items and items[-1][0] >= indent:
+                    items.pop()
+            column = items[-1][1] if items and indent > 0 else 0
+            lines.append(" " * column + text)
+        blank = False
+    return "\n".join(_valid_tables(lines))
+
+
+def _cells(row: str) -> list[str]:
+    inner = row.strip()[1:-1]
+    return [c.strip() for c in _CELL_SPLIT.split(inner)]
+
+
+def _valid_tables(lines: list[str]) -> list[str]:
+    """Each run of `| … |` lines as a GFM table: the first row the header, padded to
+    the widest row, then the delimiter row (13 of 20 tables on real pages had none:
+    a renderer showed no table); delimiter rows elsewhere in the run dropped."""
+    out: list[str] = []
+    i, n = 0, len(lines)
+    fence = ""
+    while i < n:
+        line = lines[i]
+        stripped = line.strip()
+        if fence or _FENCE_LINE.match(stripped):
+            out.append(line)
+            if fence and stripped.startswith(fence) and not stripped.strip(fence[0]):
+                fence = ""
+            elif not fence:
+                fence = _FENCE_LINE.match(stripped).group(1)
+            i += 1
+            continue
+        m = _TABLE_ROW.match(line)
+        if not m or stripped == "|":
+            out.append(line)
+            i += 1
+            continue
+        indent = m.group(1)
+        j = i
+        rows = []
+        while j < n and (r := _TABLE_ROW.match(lines[j])) and r.group(1) == indent and lines[j].strip() != "|":
+            cells = _cells(lines[j])
+            if not all(_DELIMITER_CELL.fullmatch(c) for c in cells):
+                rows.append(cells)
+            j += 1
+        if rows:
+            width = max(len(r) for r in rows)
+            if out and out[-1].strip():
+                out.append("")
+            header = rows[0] + [""] * (width - len(rows[0]))
+            out.append(indent + "| " + " | ".join(header) + " |")
+            out.append(indent + "|" + "---|" * width)
+            out.extend(indent + "| " + " | ".join(r) + " |" for r in rows[1:])
+            if j < n and lines[j].strip():
+                out.append("")
+        i = j
+    return out
 
 
 def _unfence(md: str, blocks: dict[str, str]) -> str:
@@ -406,7 +672,7 @@ def _markdown(nodes: list, blocks: dict[str, str] | None = None) -> str:
     for node in nodes:
         parts.append(lxml_html.tostring(node, encoding="unicode", method="html", with_tail=False))
     md = _h2t().handle("".join(parts))
-    md = _unfence(md, blocks)
+    md = _unfence(_normalise(md), blocks)
     md = "\n".join(line.rstrip() for line in md.split("\n"))
     return _BLANKS.sub("\n\n", md).strip() + "\n" if md.strip() else ""
 
@@ -561,6 +827,7 @@ def convert(text: str, base_url: str | None, *, max_chars: int):
     had_scripts = next(root.iter("script"), None) is not None
     body = _body(root)
     hidden_chars = _hidden.drop_hidden(body)
+    _prepare(body)
     _clean(body, chrome=False)
     full_len = len(_collapse(body.text_content()))
     needs_js = _looks_like_app(root, full_len, had_scripts)
@@ -581,8 +848,8 @@ def convert(text: str, base_url: str | None, *, max_chars: int):
         md = _markdown([body], blocks)
     else:
         md = _trafilatura(root)
-        if md and blocks:
-            md = _unfence(md, blocks)
+        if md:
+            md = _unfence(_normalise(md), blocks)
             md = _BLANKS.sub("\n\n", md).strip() + "\n"
         if len(md) < 250:
             # trafilatura found nothing, or next to nothing (a short note, a page of
@@ -592,6 +859,7 @@ def convert(text: str, base_url: str | None, *, max_chars: int):
             if fresh is not None:
                 fbody = _body(fresh)
                 _hidden.drop_hidden(fbody)
+                _prepare(fbody)
                 _clean(fbody, chrome=False)
                 _resolve_links(fbody, base_url, len(text), fragments=False)
                 own = _reduce(fbody)
