@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=RESULTS, help="where latest.md and latest.json go (default: %(default)s)")
     p.add_argument("--seconds", type=float, default=10.0, help="profile: seconds of load per proxy")
     p.add_argument("--only", type=_phases, default=None,
-                   help="run: only these phases, comma-separated (micro, idle, http, connect, tunnel); "
+                   help="run: only these phases, comma-separated (micro, idle, http, connect, tunnel, extraction); "
                         "profile: only these scenarios (http, tunnel, connect)")
     p.add_argument("--baseline-tree", type=Path, default=None, metavar="DIR",
                    help="run: also run the Sluice of this other checkout (e.g. a git worktree of an older "

@@ -15,6 +15,12 @@ starting 8-f) of the ScrapingHub article-extraction-benchmark (MIT licence,
 half (ids 0-7), which is not vendored (`--dev DIR` scores a checkout of the
 upstream repository's html/ and ground-truth.json, restricted to ids 0-7).
 
+Structure (bench.structure): for the headings, list items, code blocks,
+table cells and link texts the reference contains, the share found in the
+right markdown form once markdown-it-py has parsed Sluice's output, and the
+pipe rows outside any table and prose inside code blocks; on the held-out
+half and on pages built to hold each structure (bench.structure_pages).
+
 Speed: a deterministic 2 MiB boilerplate-heavy page (`bench.extraction_pages`:
 mega-menu, inline scripts and JSON, sidebars, comments, footer around a long
 article) converted by plain html2text and by Sluice's pipeline, alternating,
@@ -195,6 +201,55 @@ def quality(pages, names=None, log=print) -> dict[str, dict]:
     return results
 
 
+# --- structure (bench.structure) ---------------------------------------------------
+
+
+def _sluice_markdown(html: bytes | str, url: str) -> str:
+    from sluice.webtools.convert import html_to_markdown
+
+    return html_to_markdown(html, url).markdown
+
+
+def structure(pages, log=print) -> dict:
+    """The structure check on the held-out pages (reference: the labelled article
+    body) and on the built pages (bench.structure_pages), for Sluice's markdown."""
+    from bench import structure as S
+    from bench import structure_pages as built
+
+    held = S.summarise([S.check_page(html, true, _sluice_markdown(html, url)) for _k, html, true, url in pages])
+    checked, facts = [], {}
+    for name, (html, checks) in built.PAGES.items():
+        md = _sluice_markdown(html, "https://news.example/article")
+        checked.append(S.check_page(html, built.reference(html), md))
+        for what, ok in checks.items():
+            facts[f"{name}: {what}"] = bool(ok(md))
+    out = {"held_out": held, "built": S.summarise(checked) | {"facts": facts}}
+    for label, r in (("held-out", held), ("built pages", out["built"])):
+        shares = "  ".join(f"{k} {r[k]['in_form']:.3f} (n={r[k]['n']})" for k in S.KINDS if r[k]["n"])
+        log(f"  {label:<12} in form: {shares}")
+        log(f"  {'':<12} tables {r['tables']}, pipe rows outside a table {r['loose_table_rows']} "
+            f"({r['pages_with_loose_table_rows']} pages), prose in code blocks {r['prose_in_code_chars']} chars")
+    failed = [f for f, ok in facts.items() if not ok]
+    log(f"  built-page facts: {len(facts) - len(failed)}/{len(facts)} hold" + (f"; failing: {failed}" if failed else ""))
+    return out
+
+
+def structure_table(result: dict) -> list[str]:
+    """Markdown rows for the report: the share in form per kind, and the validity counts."""
+    from bench.structure import KINDS
+
+    def cell(r, k):
+        return f"{r[k]['in_form']:.3f} ({r[k]['n']})" if r[k]["n"] else "n/a"
+
+    rows = ["| | " + " | ".join(KINDS) + " | pipe rows outside a table | prose in code (chars) |",
+            "|---|" + "---:|" * (len(KINDS) + 2)]
+    for label, key in (("held-out half", "held_out"), ("built pages", "built")):
+        r = result[key]
+        rows.append(f"| {label} | " + " | ".join(cell(r, k) for k in KINDS)
+                    + f" | {r['loose_table_rows']} | {r['prose_in_code_chars']} |")
+    return rows
+
+
 # --- speed -------------------------------------------------------------------------
 
 
@@ -249,6 +304,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", default=None, help="comma-separated extractor names (substring match)")
     p.add_argument("--rounds", type=int, default=7, help="speed rounds (default: %(default)s)")
     p.add_argument("--no-speed", action="store_true")
+    p.add_argument("--no-structure", action="store_true")
     p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results" / "extraction.json")
     args = p.parse_args(argv)
     names = None
@@ -259,6 +315,9 @@ def main(argv: list[str] | None = None) -> int:
     held = load(HELD_OUT)
     print(f"held-out: {len(held)} pages of the article-extraction-benchmark", flush=True)
     result["held_out"] = quality(held, names)
+    if not args.no_structure:
+        print("structure (share in the right markdown form; (n) structures in the reference):", flush=True)
+        result["structure"] = structure(held)
     if args.dev:
         dev = load(args.dev, lambda k: k[0] in "01234567")
         print(f"dev (tuning) half: {len(dev)} pages", flush=True)

@@ -322,6 +322,17 @@ def machine_line(results: dict) -> str:
             f"Origin: {results.get('origin')}. {m['date']}.")
 
 
+def extraction_lines(ex: dict) -> list[str]:
+    from bench.extraction import structure_table
+
+    if "error" in ex:
+        return [f"Extraction: n/a ({ex['error']})"]
+    f1 = ex["f1"]
+    return [f"Main content (`python -m bench extraction`): F1 {f1['f1']:.3f} on the held-out half "
+            f"({f1['pages']} pages). Structure: the share of the reference's structures found in the right "
+            "markdown form after markdown-it-py reads the output (n):", "", *structure_table(ex["structure"])]
+
+
 def markdown(results: dict) -> str:
     phases = results["settings"].get("run_phases") or ("micro", "idle", "http", "connect", "tunnel")
     parts = ["## Performance", "", machine_line(results)]
@@ -331,6 +342,8 @@ def markdown(results: dict) -> str:
         parts += ["", *connect_table(results)]
     if "tunnel" in phases or "idle" in phases:
         parts += ["", *tunnel_table(results)]
+    if "extraction" in phases and results.get("extraction"):
+        parts += ["", *extraction_lines(results["extraction"])]
     if "micro" in phases:
         parts += ["", "Policy decision alone (`check_request` + `check_answers`, DNS answer in hand), median of rounds:",
                   "", *micro.table(results["micro"])]

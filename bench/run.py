@@ -85,7 +85,7 @@ class Settings:
 
 
 # What `--only` may name; a full run does them all, in this order.
-PHASES = ("micro", "idle", "http", "connect", "tunnel")
+PHASES = ("micro", "idle", "http", "connect", "tunnel", "extraction")
 
 
 class NotInNamespace(Exception):
@@ -201,6 +201,13 @@ def run(settings: Settings, log=print) -> dict:
             except Exception as e:  # e.g. the policy format moved on: report it, run the rest
                 results["micro"] = {"error": f"{type(e).__name__}: {e}"}
 
+        if "extraction" in phases:
+            log("bench: main-content F1 and the structure check (bench.extraction)")
+            try:
+                results["extraction"] = extraction_phase()
+            except Exception as e:  # report it, run the rest
+                results["extraction"] = {"error": f"{type(e).__name__}: {e}"}
+
         dns = FakeDNS()
         # Only the contenders some chosen phase measures are started.
         everyone = [c for c in C.all_contenders() if c.roles & set(phases)]
@@ -302,6 +309,16 @@ def _usable(c: C.Contender, role: str) -> bool:
 
 
 # ---- phases -----------------------------------------------------------------
+
+
+def extraction_phase() -> dict:
+    """Sluice's main-content F1 and structure shares on the held-out half (no network)."""
+    from bench import extraction
+
+    held = extraction.load(extraction.HELD_OUT)
+    quiet = lambda _m: None  # noqa: E731
+    f1 = extraction.quality(held, {"sluice (markdown, links)"}, log=quiet)["sluice (markdown, links)"]
+    return {"f1": f1, "structure": extraction.structure(held, log=quiet)}
 
 def _slope(points: list[tuple[int, int]]) -> float | None:
     """Least-squares slope of RSS (KiB) over open tunnels."""
