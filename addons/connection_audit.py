@@ -82,7 +82,7 @@ class ConnectionAudit:
         mitm_patches.set_refusal_listener(self)
 
     def done(self) -> None:
-        if mitm_patches._refusal_listener is self:
+        if mitm_patches.hooks.refusal_listener is self:
             mitm_patches.set_refusal_listener(None)
 
     # ---- mitmproxy's own 400s on flows ------------------------------------

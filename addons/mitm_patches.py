@@ -8,9 +8,14 @@ here wraps (never copies) the mitmproxy function. Rules for this module:
   mitmproxy functions it wraps or relies on;
 - `install()` applies every patch, once (it is idempotent; `sluice proxy` and
   addons/sluice_addon.py both call it);
+- addons reach the patches through one object, `hooks` (set with the
+  set_* functions), never module globals;
 - tests/unit/test_mitm_patches.py records a hash of the source of every
-  function in PATCHES for MITMPROXY_VERSION and fails loudly, naming what to
-  re-check, when an upgrade changes one of them.
+  function in PATCHES and RELIED_ON for MITMPROXY_VERSION and fails loudly,
+  naming what to re-check, when an upgrade changes one of them.
+
+docs/mitmproxy-patches.md lists each patch with the mitmproxy defect or gap
+it answers and the upstream change that would let Sluice drop it.
 
 Patches:
 
@@ -43,8 +48,9 @@ Patches:
 - `cancelled_handler_close`: a connection handler cancelled while waiting for
   the server-event lock closes its socket too (see its section).
 - `dial_check` wraps `ConnectionHandler.open_connection` and, for the task
-  it runs in, `asyncio.open_connection`: only an (IP, port) the gate approved
-  for that client connection is dialled, never a name (see its section).
+  it runs in, routes `asyncio.open_connection` to Sluice's one dialer
+  (sluice/dialer.py): only an (IP, port) the gate approved for that client
+  connection is dialled, never a name (see its section).
 
 - `http1_error_pages` marks mitmproxy's own HTML error pages
   (`make_error_response`) and replaces them, where `Http1Server` hands its
@@ -93,13 +99,17 @@ MITMPROXY_VERSION = "12.3.1"
 
 class Hooks:
     """What connects Sluice's addons to these patches: one object, set by
-    the addons when they load (None: the patch behaves as shipped, or, for
-    the dial, fails closed)."""
+    the addons when they load (through the set_* functions below). Unset,
+    a patch behaves as shipped; the dial fails closed."""
 
-    __slots__ = ("dialer",)
+    __slots__ = ("dialer", "head_guard", "refusal_listener", "stream_cap_listener", "socks5_login")
 
     def __init__(self) -> None:
         self.dialer: Dialer | None = None  # sluice/dialer.py, by addons/gate.py
+        self.head_guard: HeadGuard | None = None  # addons/head_limits.py: the head, pipelining and framing caps
+        self.refusal_listener: RefusalListener | None = None  # addons/connection_audit.py: refusals with no hook
+        self.stream_cap_listener: StreamCapListener | None = None  # addons/caps.py: an HTTP/2 stream reset
+        self.socks5_login = False  # addons/gate.py: ask SOCKS5 clients that offer it for username/password
 
 
 hooks = Hooks()
@@ -126,18 +136,16 @@ class HeadGuard(Protocol):
         """A whole request head arrived on this client connection."""
 
 
-_head_guard: HeadGuard | None = None
 _clock = time.monotonic  # tests may replace it
 _BLANK_LINE = re.compile(b"\n\r?\n")  # how h11's ReceiveBuffer finds a head's end
 
 
 def set_head_guard(guard: HeadGuard | None) -> None:
-    global _head_guard
-    _head_guard = guard
+    hooks.head_guard = guard
 
 
 def head_guard() -> HeadGuard | None:
-    return _head_guard
+    return hooks.head_guard
 
 
 class HeadDeadline(commands.RequestWakeup):
@@ -198,7 +206,7 @@ def _patch_http1_head_caps() -> None:
     original = Http1Server.read_headers
 
     def read_headers(self, event):
-        guard = _head_guard
+        guard = hooks.head_guard
         limits = guard.head_limits() if guard is not None else None
         if limits is None or not isinstance(event, events.DataReceived):
             return (yield from original(self, event))
@@ -235,7 +243,7 @@ def _patch_http1_head_deadline() -> None:
             return (yield from original(self, event))
         self._sluice_wakeup_pending = False
         deadline = getattr(self, "_sluice_head_deadline", None)
-        guard = _head_guard
+        guard = hooks.head_guard
         limits = guard.head_limits() if guard is not None else None
         if deadline is None or limits is None or self.state != self.read_headers:
             return  # that head completed (or the connection moved on)
@@ -253,7 +261,7 @@ def _patch_http1_pipeline_cap() -> None:
     original = Http1Connection.wait
 
     def wait(self, event):
-        guard = _head_guard
+        guard = hooks.head_guard
         limits = guard.head_limits() if guard is not None else None
         if limits is None or not isinstance(event, events.DataReceived) or len(self.buf) <= limits.max_header_bytes:
             return (yield from original(self, event))
@@ -363,12 +371,8 @@ class RefusalListener(Protocol):
         """mitmproxy refused this client itself (synchronous, from inside its layers)."""
 
 
-_refusal_listener: RefusalListener | None = None
-
-
 def set_refusal_listener(listener: RefusalListener | None) -> None:
-    global _refusal_listener
-    _refusal_listener = listener
+    hooks.refusal_listener = listener
 
 
 def _wrap_once(owner: type, name: str, marker: str, make) -> None:
@@ -392,7 +396,7 @@ def _patch_socks5_refusals() -> None:
 
     def make(original):
         def socks_err(self, message, reply_code=None):
-            listener = _refusal_listener
+            listener = hooks.refusal_listener
             # Every call refuses the handshake itself, before a destination is
             # named (a refused or failed dial never comes here).
             if listener is not None and self.context.server.address is None:
@@ -408,7 +412,7 @@ def _patch_http1_bad_head() -> None:
 
     def make(original):
         def read_headers(self, event):
-            listener = _refusal_listener
+            listener = hooks.refusal_listener
             if listener is None:
                 return (yield from original(self, event))
             # mitmproxy's own 400 for a head it cannot parse, with no request
@@ -444,10 +448,10 @@ def _patch_http_no_destination() -> None:
                     command = steps.send(reply)
                 except StopIteration as done:
                     return done.value
-                if (_refusal_listener is not None and isinstance(command, SendHttp)
+                if (hooks.refusal_listener is not None and isinstance(command, SendHttp)
                         and isinstance(command.event, ResponseProtocolError)
                         and command.event.code is ErrorCode.DESTINATION_UNKNOWN):
-                    _refusal_listener.client_refused(self.context.client, HTTP_NO_DESTINATION, command.event.message,
+                    hooks.refusal_listener.client_refused(self.context.client, HTTP_NO_DESTINATION, command.event.message,
                                                      request=self.flow.request)
                 reply = yield command
         return state_wait_for_request_headers
@@ -586,7 +590,7 @@ def _patch_http1_error_pages() -> None:
                     command = steps.send(reply)
                 except StopIteration as done:
                     return done.value
-                listener = _refusal_listener
+                listener = hooks.refusal_listener
                 if (isinstance(command, commands.SendData) and isinstance(command.data, ErrorPage)
                         and listener is not None and hasattr(listener, "error_page")):
                     page = command.data
@@ -619,12 +623,8 @@ PATCHES["http1_error_pages"] = (_patch_http1_error_pages, (
 # `socks5_auth` hook. A client that offers only "no authentication" is
 # greeted as shipped (and known by its source address).
 
-_socks5_login = False
-
-
 def set_socks5_login(enabled: bool) -> None:
-    global _socks5_login
-    _socks5_login = enabled
+    hooks.socks5_login = enabled
 
 
 def _patch_socks5_login() -> None:
@@ -633,7 +633,7 @@ def _patch_socks5_login() -> None:
     def make(original):
         def state_greet(self):
             buf = self.buf
-            if (_socks5_login and len(buf) >= 2 and buf[0] == modes.SOCKS5_VERSION and len(buf) >= 2 + buf[1]
+            if (hooks.socks5_login and len(buf) >= 2 and buf[0] == modes.SOCKS5_VERSION and len(buf) >= 2 + buf[1]
                     and modes.SOCKS5_METHOD_USER_PASSWORD_AUTHENTICATION in buf[2:2 + buf[1]]):
                 yield commands.SendData(self.context.client, bytes(
                     [modes.SOCKS5_VERSION, modes.SOCKS5_METHOD_USER_PASSWORD_AUTHENTICATION]))
@@ -706,7 +706,7 @@ def _patch_http1_leading_blank_lines() -> None:
                         skip += 1
                     else:
                         break
-                limits = _head_guard.head_limits() if _head_guard is not None else None
+                limits = hooks.head_guard.head_limits() if hooks.head_guard is not None else None
                 seen = getattr(self, "_sluice_blank_bytes", 0) + skip
                 if skip and (limits is None or seen <= limits.max_header_bytes):
                     # Past max_header_bytes of them, they stay and the head
@@ -741,7 +741,7 @@ FRAMING_TOO_LARGE = "HTTP/1 framing (a response head, or a chunk-size or trailer
 
 
 def _framing_limit() -> int | None:
-    limits = _head_guard.head_limits() if _head_guard is not None else None
+    limits = hooks.head_guard.head_limits() if hooks.head_guard is not None else None
     return limits.max_header_bytes if limits is not None else None
 
 
@@ -968,16 +968,12 @@ class StreamCapListener(Protocol):
         """A stream of `flow` was reset holding `buffered` bytes (synchronous)."""
 
 
-_stream_cap_listener: StreamCapListener | None = None
-
-
 def set_stream_cap_listener(listener: StreamCapListener | None) -> None:
-    global _stream_cap_listener
-    _stream_cap_listener = listener
+    hooks.stream_cap_listener = listener
 
 
 def _h2_limits() -> Limits | None:
-    return _head_guard.head_limits() if _head_guard is not None else None
+    return hooks.head_guard.head_limits() if hooks.head_guard is not None else None
 
 
 def _origin_window(cap: int) -> int:
@@ -1044,8 +1040,8 @@ def _reset(layer_, stream_id: int, buffered: int, cap: int) -> list:
 
     http_layer = _http_layer(layer_)
     stream = http_layer.streams.get(stream_id) if http_layer is not None else None
-    if stream is not None and stream.flow is not None and _stream_cap_listener is not None:
-        _stream_cap_listener.h2_stream_reset(stream.flow, buffered, cap)
+    if stream is not None and stream.flow is not None and hooks.stream_cap_listener is not None:
+        hooks.stream_cap_listener.h2_stream_reset(stream.flow, buffered, cap)
     if stream_id in layer_._sluice_held:
         out = _release(layer_, stream_id)
     else:

@@ -163,7 +163,7 @@ class Clock:
 def guard(monkeypatch):
     mitm_patches.install()
     g = FakeGuard(Limits(max_header_bytes=1024, max_header_count=10, header_timeout=10.0))
-    monkeypatch.setattr(mitm_patches, "_head_guard", g)
+    monkeypatch.setattr(mitm_patches.hooks, "head_guard", g)
     clock = Clock()
     monkeypatch.setattr(mitm_patches, "_clock", clock)
     g.clock = clock
@@ -291,7 +291,7 @@ def test_next_head_on_a_keep_alive_connection_gets_its_own_deadline(guard):
 
 def test_no_guard_means_mitmproxy_as_shipped(monkeypatch):
     mitm_patches.install()
-    monkeypatch.setattr(mitm_patches, "_head_guard", None)
+    monkeypatch.setattr(mitm_patches.hooks, "head_guard", None)
     server, client = make_server()
     cmds = feed(server, client, b"GET http://example.com/ HTTP/1.1\r\nX: " + b"a" * 100_000)
     assert cmds == [] and len(server.buf) > 100_000
@@ -480,7 +480,7 @@ def test_h2_stream_left_unread_past_twice_the_cap_is_reset(monkeypatch):
 
     mitm_patches.install()
     cap = 64 * 1024
-    monkeypatch.setattr(mitm_patches, "_head_guard", FakeGuard(Limits(h2_stream_buffer_bytes=cap, h2_max_concurrent_streams=7)))
+    monkeypatch.setattr(mitm_patches.hooks, "head_guard", FakeGuard(Limits(h2_stream_buffer_bytes=cap, h2_max_concurrent_streams=7)))
     client = connection.Client(peername=("192.0.2.1", 40000), sockname=("127.0.0.1", 8080), timestamp_start=time.time())
     opts = options.Options()
     opts.add_option("validate_inbound_headers", bool, True, "")  # the proxyserver addon's option

@@ -44,8 +44,8 @@ class PageListener:
 def listener(monkeypatch):
     mitm_patches.install()
     lst = PageListener()
-    monkeypatch.setattr(mitm_patches, "_refusal_listener", lst)
-    monkeypatch.setattr(mitm_patches, "_head_guard", None)
+    monkeypatch.setattr(mitm_patches.hooks, "refusal_listener", lst)
+    monkeypatch.setattr(mitm_patches.hooks, "head_guard", None)
     return lst
 
 
@@ -93,7 +93,7 @@ def test_error_bytes_is_plain_text_without_a_reason():
 
 def _socks_layer(enabled: bool, monkeypatch):
     mitm_patches.install()
-    monkeypatch.setattr(mitm_patches, "_socks5_login", enabled)
+    monkeypatch.setattr(mitm_patches.hooks, "socks5_login", enabled)
     client = connection.Client(peername=("192.0.2.1", 40000), sockname=("127.0.0.1", 1080), timestamp_start=time.time(),
                                proxy_mode=mode_specs.ProxyMode.parse("socks5"))
     layer = modes.Socks5Proxy(Context(client, options.Options()))
