@@ -157,7 +157,7 @@ class AuditLog:
             return
         verdict.logged = True
         d = verdict.decision
-        refusal = d.refusal or verdict.cap
+        refusal = verdict.refusal
         soft = d.would_refuse
         response = flow.response
         connect = flow.request.method == "CONNECT"
@@ -172,9 +172,7 @@ class AuditLog:
             would_refuse=True if soft else None,
             rule=_rule(d, refusal),
             credential=flow.metadata.get(CREDENTIAL_META),
-            status=(verdict.wire_status or
-                    (refusal.status if verdict.cap and not verdict.response_started else
-                     response.status_code if response else None)),
+            status=verdict.status(response.status_code if response else None),
             bytes_out=verdict.bytes_from_client or (len(flow.request.raw_content or b"") if d.allowed else 0),
             bytes_in=verdict.bytes_from_server or (len(response.raw_content or b"") if response and d.allowed else 0),
             duration=round(time.time() - verdict.started, 4),

@@ -64,12 +64,12 @@ class Caps:
         """mitm_patches reset an HTTP/2 stream whose client did not read it
         (the backstop of h2_stream_buffer_cap): its audit line says so."""
         verdict = verdict_of(flow)
-        if verdict is not None and verdict.cap is None:
-            verdict.cap = Refusal(
+        if verdict is not None:
+            verdict.cut(Refusal(
                 Reason.RESPONSE_TOO_LARGE,
                 f"the client left this HTTP/2 stream unread while the proxy held {buffered} bytes of it, over twice "
                 f"this proxy's {size_text(cap)} limits.h2_stream_buffer_bytes, so the stream was reset",
-                advice="Read each HTTP/2 stream as its data arrives (open its flow-control window); the request may be retried.")
+                advice="Read each HTTP/2 stream as its data arrives (open its flow-control window); the request may be retried."))
 
     # ---- a dial that failed: the client's answer --------------------------
 
@@ -108,7 +108,7 @@ class Caps:
         limits = verdict.limits
         length = flow.request.headers.get("content-length")
         if length is not None and length.strip().isdigit() and int(length) > limits.max_request_bytes:
-            verdict.cap = Refusal(Reason.REQUEST_TOO_LARGE, f"the request body is {int(length)} bytes, over this policy's {size_text(limits.max_request_bytes)} cap")
+            verdict.cut(Refusal(Reason.REQUEST_TOO_LARGE, f"the request body is {int(length)} bytes, over this policy's {size_text(limits.max_request_bytes)} cap"))
             answer_now(flow, verdict.cap)
             return
         if length is None:
@@ -130,7 +130,7 @@ class Caps:
         has_body = flow.request.method != "HEAD" and response.status_code >= 200 and response.status_code not in NO_BODY_STATUSES
         length = response.headers.get("content-length")
         if has_body and length is not None and length.strip().isdigit() and int(length) > limits.max_response_bytes:
-            verdict.cap = Refusal(Reason.RESPONSE_TOO_LARGE, f"the response body is {int(length)} bytes, over this policy's {size_text(limits.max_response_bytes)} cap")
+            verdict.cut(Refusal(Reason.RESPONSE_TOO_LARGE, f"the response body is {int(length)} bytes, over this policy's {size_text(limits.max_response_bytes)} cap"))
             answer_now(flow, verdict.cap)
             return
         if response.stream is False or response.stream is None:
@@ -144,22 +144,21 @@ class Caps:
     def error(self, flow: http.HTTPFlow) -> None:
         timeout = _take_connect_refusal(flow.client_conn)
         verdict = verdict_of(flow)
-        if timeout is not None and verdict is not None and verdict.cap is None and not verdict.response_started:
-            verdict.cap = timeout
+        if timeout is not None and verdict is not None and not verdict.response_started and verdict.cut(timeout):
             answer_now(flow, timeout)
         elif (verdict is not None and verdict.decision.allowed and verdict.cap is None
               and not verdict.response_started and flow.client_conn.state & ConnectionState.CAN_WRITE):
             # The origin failed before answering (reset, refused, bad
             # response): mitmproxy answers the client 502 itself.
-            verdict.wire_status = 502
+            verdict.sent(502)
         self._finish(flow)
 
     def http_connect_error(self, flow: http.HTTPFlow) -> None:
         timeout = _take_connect_refusal(flow.client_conn)
         verdict = verdict_of(flow)
         if timeout is not None and verdict is not None:
-            verdict.cap = timeout
-            flow.response = refusal_response(noted(flow, timeout))
+            verdict.cut(timeout)
+            flow.response = refusal_response(noted(flow, verdict.cap))
 
     def _finish(self, flow: http.HTTPFlow) -> None:
         handle = self._request_deadlines.pop(flow.id, None)
@@ -173,9 +172,8 @@ class Caps:
     def cut(self, flow: http.HTTPFlow, refusal: Refusal) -> None:
         """End an exchange now, from outside any hook (timer, body chunk)."""
         verdict = verdict_of(flow)
-        if verdict is None or verdict.cap is not None:
+        if verdict is None or not verdict.cut(refusal):
             return
-        verdict.cap = refusal
         self._close_cut(flow)
 
     def cut_soon(self, flow: http.HTTPFlow, refusal: Refusal) -> None:
@@ -183,9 +181,8 @@ class Caps:
         exchange is marked cut now, so its audit line names the cut even if
         mitmproxy ends the exchange first; its sockets close just after."""
         verdict = verdict_of(flow)
-        if verdict is None or verdict.cap is not None:
+        if verdict is None or not verdict.cut(refusal):
             return
-        verdict.cap = refusal
         asyncio.get_running_loop().call_soon(self._close_cut, flow)
 
     def _close_cut(self, flow: http.HTTPFlow) -> None:
@@ -235,9 +232,8 @@ class Caps:
         return meter
 
     def cut_tunnel(self, client: connection.Client, verdict: Verdict, refusal: Refusal) -> None:
-        if verdict.cap is not None or verdict.logged:
+        if verdict.logged or not verdict.cut(refusal):
             return
-        verdict.cap = refusal
         connections.close_client(client)
         self.audit.tunnel_line(verdict, client)
 

@@ -39,7 +39,6 @@ without a reason code. (A failed SOCKS5 login is audited by the gate's
 
 from __future__ import annotations
 
-import dataclasses
 import re
 
 from mitmproxy import connection, ctx, http
@@ -106,7 +105,7 @@ class ConnectionAudit:
         every other."""
         verdict = verdict_of(flow)
         response = flow.response
-        refusal = (verdict.cap or verdict.decision.refusal) if verdict is not None else None
+        refusal = verdict.answer if verdict is not None else None
         if (refusal is None or refusal.note is not None or response is None or response.stream
                 or response.headers.get(REASON_HEADER) != refusal.reason.value):
             return
@@ -137,9 +136,7 @@ class ConnectionAudit:
         if answered is not None and invalid is None and verdict is not None:
             # The head parsed, its framing did not: mitmproxy answered 400
             # (error_page) before the flow began; its line says so.
-            verdict.decision = dataclasses.replace(verdict.decision, allowed=False, refusal=answered, would_refuse=None)
-            verdict.cap = None
-            verdict.wire_status = answered.status
+            verdict.answered(answered, answered.status)
         if loop is not None:
             self._loop_flow(flow, *loop)
 
@@ -149,7 +146,7 @@ class ConnectionAudit:
             # mitmproxy's check is the gate's scheme rule: keep its reason,
             # and answer with its refusal instead of mitmproxy's 400.
             self._answer(flow.client_conn, verdict.decision.refusal, verdict)
-            verdict.wire_status = verdict.decision.refusal.status
+            verdict.sent(verdict.decision.refusal.status)
             return
         refusal = Refusal(Reason.BAD_REQUEST, f"the request is malformed HTTP: {_validation_error(message)}")
         self._answer(flow.client_conn, refusal, verdict)
@@ -162,9 +159,7 @@ class ConnectionAudit:
                 decision="refuse", reason=refusal.reason.value, status=400, detail=refusal.detail,
             )
             return
-        # Whatever the gate decided, the client gets this 400.
-        verdict.decision = dataclasses.replace(verdict.decision, allowed=False, refusal=refusal, would_refuse=None)
-        verdict.wire_status = 400
+        verdict.answered(refusal, 400)  # whatever the gate decided, the client gets this 400
 
     # ---- Sluice's answer in place of mitmproxy's error pages --------------
 
@@ -223,8 +218,7 @@ class ConnectionAudit:
             return
         # The gate allowed it, the dial was refused: the audit log's line for
         # this flow (and the tunnel's, for a CONNECT: the same verdict) says so.
-        verdict.decision = dataclasses.replace(verdict.decision, allowed=False, refusal=refusal, would_refuse=None)
-        verdict.wire_status = status
+        verdict.answered(refusal, status)
 
     # client_disconnected: a loop no flow took (SOCKS5, transparent) gets its
     # line when addons/conn_release.py releases the ConnState.

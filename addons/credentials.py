@@ -70,7 +70,7 @@ class CredentialInjector:
         host = verdict.decision.host if verdict.decision.host is not None else verdict.host
         entry, refusal = apply_to(verdict.rules, host, flow.request.scheme)
         if refusal is not None:
-            verdict.cap = refusal.with_note(verdict.rules.refusal_note)
+            verdict.cut(refusal.with_note(verdict.rules.refusal_note))
             flow.response = refusal_response(verdict.cap)
             return
         if entry is None:

@@ -36,7 +36,7 @@ def _refuse(target, response_started: bool) -> None:
             target.metadata[META] = Verdict(target.request.host, target.request.port,
                                             Decision(False, None, INTERNAL), None, None)
         else:
-            verdict.cap = INTERNAL
+            verdict.fail(INTERNAL)
         if response_started:
             answer_now(target, INTERNAL)  # headers not sent yet, but a body may be on its way
         else:

@@ -120,7 +120,7 @@ class EgressGate:
             # mitmproxy already found the request invalid (e.g. an ftp:// URL)
             # and answers 400 itself after this hook: record what was sent.
             flow.response = None
-            verdict.wire_status = 400
+            verdict.sent(400)
         elif verdict is not None and verdict.decision.allowed:
             _strip_headers(flow.request, verdict.rules.strip_request_headers if verdict.rules else frozenset())
 

@@ -72,7 +72,7 @@ class OriginHeaders:
                           "credentials, so the origin's answer was dropped",
                           advice="The origin, not the egress policy, failed: this page cannot be fetched as it is.")
         if verdict is not None:
-            verdict.cap = refusal
+            verdict.cut(refusal)
         if plain_http1(flow) and not _ends_with_headers(flow):
             answer_now(flow, refusal)  # written to the client now; the origin's body is never read
             return

@@ -62,7 +62,6 @@ import asyncio
 import resource
 import time
 from collections.abc import Callable
-from dataclasses import replace
 
 from mitmproxy import connection, http
 from mitmproxy.proxy import mode_specs
@@ -239,11 +238,8 @@ class Quotas:
             state.release_connect(flow.id)
 
     def _refuse_flow(self, flow: http.HTTPFlow, verdict: Verdict, refusal: Refusal) -> None:
-        if verdict.rules is not None and verdict.rules.action == "report":
-            if verdict.decision.would_refuse is None:
-                verdict.decision = replace(verdict.decision, would_refuse=refusal)
+        if not verdict.refuse(refusal, report=verdict.rules is not None and verdict.rules.action == "report"):
             return
-        verdict.decision = replace(verdict.decision, allowed=False, refusal=refusal)
         response = refusal_response(noted(flow, refusal))
         if refusal.reason is Reason.TOO_MANY_CONNECTIONS and not (flow.request.is_http2 or flow.request.is_http3):
             response.headers["Connection"] = "close"  # the extra connection itself is refused
@@ -294,12 +290,9 @@ class Quotas:
             if limits.bytes_per_hour is not None and not tunnel.intercept:
                 self._meter_later(data.client, server, tunnel, key, limits)
             return
-        if tunnel.rules.action == "report":
-            if tunnel.decision.would_refuse is None:
-                tunnel.decision = replace(tunnel.decision, would_refuse=refusal)
+        refusal = refusal.with_note(tunnel.rules.refusal_note) if tunnel.rules.action != "report" else refusal
+        if not tunnel.refuse(refusal, report=tunnel.rules.action == "report"):
             return
-        refusal = refusal.with_note(tunnel.rules.refusal_note)
-        tunnel.decision = replace(tunnel.decision, allowed=False, refusal=refusal)
         tunnel.logged = True  # this line is the tunnel's only one
         server.error = f"{refusal.reason.value}: {refusal.message}"
         host, port = server.address

@@ -81,7 +81,7 @@ class RedirectGuard:
                 Reason.REDIRECT_REFUSED,
                 f"the response redirects to {target.url}, which this policy refuses ({decision.refusal.reason.value}: {decision.refusal.detail})",
             )
-        verdict.cap = refusal
+        verdict.cut(refusal)
         if plain_http1(flow) and not _ends_with_headers(flow):
             answer_now(flow, refusal)
             return

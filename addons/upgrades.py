@@ -55,7 +55,7 @@ class UpgradeGuard:
             return
         asked = _tokens(flow.request.headers.get("upgrade", ""))
         if asked and asked != {"websocket"}:
-            verdict.cap = noted(flow, Refusal(Reason.UPGRADE_REFUSED, f"the request asks to upgrade to {', '.join(sorted(asked))[:80]}; only WebSocket upgrades may pass"))
+            verdict.cut(noted(flow, Refusal(Reason.UPGRADE_REFUSED, f"the request asks to upgrade to {', '.join(sorted(asked))[:80]}; only WebSocket upgrades may pass")))
             flow.response = refusal_response(verdict.cap)
 
     @fail_closed(response_phase=True)
