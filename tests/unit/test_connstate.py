@@ -9,6 +9,7 @@ import gc
 from types import SimpleNamespace
 
 from mitmproxy.proxy import mode_specs
+from mitmproxy.proxy.server_hooks import ServerConnectionHookData
 from mitmproxy.test import taddons, tflow, tutils
 
 from sluice import connstate
@@ -27,6 +28,7 @@ from sluice.policy import quotas
 from sluice.policy.decide import Decision
 from sluice.policy.loader import load_policy_text
 from sluice.policy.quotas import MemoryCounters
+from sluice.dialer import UPSTREAMS_BUSY
 from sluice.policy.reasons import Reason, Refusal
 
 POLICY = load_policy_text("version: 1\nlimits: {tunnel_max_seconds: 60, max_tunnels: 4, max_connections: 8}\n")
@@ -170,5 +172,51 @@ def test_state_is_per_client_connection():
         for client in (a, b):
             proxy.release.client_disconnected(client)
         assert connstate.count() == 0 and connstate.open_tunnels() == []
+
+    asyncio.run(run())
+
+
+def test_an_upgraded_pipe_is_held_by_its_connection_until_release():
+    proxy = _Proxy()
+
+    async def run():
+        with taddons.context(proxy.upgrades, proxy.caps):
+            client = proxy.connect()
+            flow = tflow.tflow(client_conn=client, resp=True)
+            flow.request.headers["upgrade"] = "websocket"
+            flow.response.status_code = 101
+            flow.response.headers["upgrade"] = "websocket"
+            flow.metadata["sluice"] = Verdict("8.8.8.8", 80, Decision(True, address="8.8.8.8", port=80), None, POLICY.rules)
+            proxy.upgrades.responseheaders(flow)
+            assert list(connstate.peek(client).accepted_upgrades) == [flow.server_conn.id]
+            pipe_flow = tflow.ttcpflow(client_conn=client, server_conn=flow.server_conn)
+            proxy.upgrades.tcp_start(pipe_flow)
+            state = connstate.peek(client)
+            assert not state.accepted_upgrades and len(state.pipes) == 1 and proxy.upgrades.open_pipes() == state.pipes
+            deadline = state.tunnel_deadlines[-1]  # the pipe's tunnel_max_seconds
+            proxy.release.client_disconnected(client)
+            assert proxy.upgrades.open_pipes() == [] and deadline.cancelled() and connstate.count() == 0
+
+    asyncio.run(run())
+
+
+def test_a_connect_refusal_answers_the_next_failing_exchange_only():
+    proxy = _Proxy()
+
+    async def run():
+        with taddons.context(proxy.caps):
+            client = proxy.connect()
+            server = tflow.tserver_conn()
+            server.error = f"[{server.address[0]}] {UPSTREAMS_BUSY}: it holds 2 upstream connections"
+            proxy.caps.server_connect_error(ServerConnectionHookData(server=server, client=client))
+            assert connstate.peek(client).connect_refusal.reason is Reason.TOO_MANY_CONNECTIONS
+            first, second = (tflow.tflow(client_conn=client, err=True) for _ in range(2))
+            for flow in (first, second):
+                flow.metadata["sluice"] = Verdict("8.8.8.8", 80, Decision(True, address="8.8.8.8", port=80), None,
+                                                  POLICY.rules)
+                proxy.caps.error(flow)
+            assert first.metadata["sluice"].cap.reason is Reason.TOO_MANY_CONNECTIONS
+            assert second.metadata["sluice"].cap is None and connstate.peek(client).connect_refusal is None
+            proxy.release.client_disconnected(client)
 
     asyncio.run(run())
