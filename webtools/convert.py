@@ -18,6 +18,9 @@ most twice the input and at most `max_chars` (`Converted.cut`), link targets
 and `<base href>` over 2,048 characters dropped, the title at 4,096
 characters; visible text is never longer than the input. Inputs that made
 libxml2, the fence or a codec superlinear are capped (webtools._extract).
+Given the call's deadline, both run in a worker process that is killed at
+the deadline (webtools._convert_worker), as C code in a thread cannot be
+stopped.
 
 Text a reader cannot see (webtools._hidden: hidden attributes, and hiding
 styles in `style` attributes and the page's own `<style>` elements; external
@@ -64,11 +67,27 @@ def decode_html(html: bytes | str, encoding: str | None = None) -> str:
 
 
 def html_to_markdown(html: bytes | str, base_url: str | None = None, *, encoding: str | None = None,
-                     max_chars: int | None = None) -> Converted:
+                     max_chars: int | None = None, deadline: float | None = None) -> Converted:
     """The page's main content as markdown, its title, and whether it looks like a JavaScript app shell.
 
     The markdown is at most twice the input's length and at most `max_chars`
-    (`cut` says when it reached that bound)."""
+    (`cut` says when it reached that bound). With a `deadline` (time.monotonic())
+    the conversion runs in a worker process killed at the deadline
+    (webtools._convert_worker): ConversionTimeout, or ConversionFailed when the
+    worker died (its memory bound)."""
+    if deadline is None:
+        return html_to_markdown_here(html, base_url, encoding=encoding, max_chars=max_chars)
+    from sluice.webtools._convert_worker import POOL
+
+    answer = POOL.run("markdown", html, {"base_url": base_url, "encoding": encoding, "max_chars": max_chars},
+                      deadline)
+    return Converted(title=answer["title"], markdown=answer["markdown"], needs_javascript=answer["needs_javascript"],
+                     cut=answer["cut"], hidden_chars=answer["hidden_chars"])
+
+
+def html_to_markdown_here(html: bytes | str, base_url: str | None = None, *, encoding: str | None = None,
+                          max_chars: int | None = None) -> Converted:
+    """html_to_markdown in this process, with no deadline (the worker calls it)."""
     text = decode_html(html, encoding)
     bound = 2 * max(len(html), 1)
     if max_chars is not None:
@@ -76,8 +95,20 @@ def html_to_markdown(html: bytes | str, base_url: str | None = None, *, encoding
     return _extract.convert(text, base_url, max_chars=bound)
 
 
-def page_text(html: bytes | str, *, encoding: str | None = None) -> Visible:
-    """The title, the whole visible text (no longer than the input), and how much hidden text was dropped."""
+def page_text(html: bytes | str, *, encoding: str | None = None, deadline: float | None = None) -> Visible:
+    """The title, the whole visible text (no longer than the input), and how much hidden text was dropped.
+
+    With a `deadline`, in a worker process killed at the deadline (as html_to_markdown)."""
+    if deadline is None:
+        return page_text_here(html, encoding=encoding)
+    from sluice.webtools._convert_worker import POOL
+
+    answer = POOL.run("page_text", html, {"encoding": encoding}, deadline)
+    return Visible(answer["title"], answer["text"], answer["hidden_chars"])
+
+
+def page_text_here(html: bytes | str, *, encoding: str | None = None) -> Visible:
+    """page_text in this process, with no deadline (the worker calls it)."""
     title, text, hidden_chars = _extract.visible(decode_html(html, encoding))
     return Visible(title, text, hidden_chars)
 

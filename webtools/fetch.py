@@ -19,6 +19,7 @@ fetched earlier by the same owner, from the store, with no request.
 from __future__ import annotations
 
 import base64
+import contextlib
 import hashlib
 import time
 from datetime import datetime, timezone
@@ -65,6 +66,23 @@ def status_not_ok(fetched: Fetched) -> WebError:
                     "the page was not read", status=fetched.status, url=fetched.url, final_url=fetched.final_url)
 
 
+@contextlib.contextmanager
+def conversion_errors(url: str, timeout: float):
+    """The converter's worker (webtools._convert_worker) overrunning the call's
+    deadline is web_timeout; the worker dying (its memory bound) is web_too_large."""
+    from sluice.webtools._convert_worker import WORKER_MEMORY, ConversionFailed, ConversionTimeout
+
+    try:
+        yield
+    except ConversionTimeout:
+        raise WebError("web_timeout", f"{url} was read, but converting it did not finish within the tools' deadline "
+                       f"({timeout:g} s): the page is too costly to convert; try another URL", url=url) from None
+    except ConversionFailed:
+        raise WebError("web_too_large", f"{url} was read, but converting it needed more than the converter's "
+                       f"memory bound ({WORKER_MEMORY // 2**20} MiB); try another URL", limit=WORKER_MEMORY,
+                       url=url) from None
+
+
 def _fetch_plan(limits: Limits):
     def classify(f: Fetched) -> ReadPlan:
         if not 200 <= f.status < 300:
@@ -106,8 +124,10 @@ def fetch(url: str, offset: int = 0, max_chars: int = DEFAULT_MAX_CHARS, *, clie
         elif fetched.mime in HTML_TYPES:
             from sluice.webtools.convert import html_to_markdown
 
-            converted = html_to_markdown(fetched.body, fetched.final_url, encoding=fetched.charset,
-                                         max_chars=client.limits.text_bytes)
+            with conversion_errors(fetched.final_url, client.limits.timeout):
+                converted = html_to_markdown(fetched.body, fetched.final_url, encoding=fetched.charset,
+                                             max_chars=client.limits.text_bytes,
+                                             deadline=started + client.limits.timeout)
             title, content, needs_js = converted.title, converted.markdown, converted.needs_javascript
             hidden_chars, cut = converted.hidden_chars, converted.cut
         else:

@@ -16,10 +16,11 @@ over the 2 MiB read cap is `web_too_large`.
 from __future__ import annotations
 
 import hashlib
+import time
 
 from sluice.webtools.client import Fetched, ReadPlan, WebClient, call_client
 from sluice.webtools.errors import WebError
-from sluice.webtools.fetch import HTML_TYPES, header_values, status_not_ok
+from sluice.webtools.fetch import HTML_TYPES, conversion_errors, header_values, status_not_ok
 from sluice.webtools.sanitize import media_type
 
 MAX_TEXT_CHARS = 100_000
@@ -36,11 +37,13 @@ def read(url: str, *, client: WebClient | None = None, max_text_chars: int = MAX
                                content_type=media_type(f.content_type), url=f.url, final_url=f.final_url)
             return ReadPlan(client.limits.text_bytes)
 
+        started = time.monotonic()
         with call_client(client) as client:
             fetched = client.get(url, classify=classify)
         from sluice.webtools.convert import page_text
 
-        visible = page_text(fetched.body, encoding=fetched.charset)
+        with conversion_errors(fetched.final_url, client.limits.timeout):
+            visible = page_text(fetched.body, encoding=fetched.charset, deadline=started + client.limits.timeout)
         title, text = visible.title, visible.text
         digest = hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
         if len(text) > max_text_chars:

@@ -49,6 +49,8 @@ HTML = b"<!doctype html><html><head><title>not an image</title></head><body><p>I
 PNG = bytes.fromhex("89504e470d0a1a0a0000000d4948445200000001000000010806000000"
                     "1f15c4890000000d4944415478da63f8cfc0f01f0005000201f5f1b1a40000000049454e44ae426082")
 PDF = b"%PDF-1.4\n1 0 obj<<>>endobj\ntrailer<<>>\n%%EOF\n"
+# 2 MiB of <br>: 8-10 s (and more) of conversion CPU, which used to run in the caller past any deadline.
+BRS = b"<!doctype html><html><body>" + b"<br>" * 500_000 + b"</body></html>"
 
 
 class DripOrigin:
@@ -106,7 +108,7 @@ class DripOrigin:
             else:
                 bodies = {"/html-as.png": ("image/png", HTML), "/html-as.pdf": ("application/pdf", HTML),
                           "/real.png": ("image/png", PNG), "/real.pdf": ("application/pdf", PDF),
-                          "/text.txt": ("text/plain", b"plain text")}
+                          "/text.txt": ("text/plain", b"plain text"), "/brs.html": ("text/html", BRS)}
                 ctype, body = bodies.get(path, ("text/plain", b"not found"))
                 status = 200 if path in bodies else 404
                 writer.write(f"HTTP/1.1 {status} X\r\nContent-Type: {ctype}\r\nContent-Length: {len(body)}\r\n"
@@ -175,6 +177,22 @@ def test_a_quick_answer_after_a_timeout_is_unaffected(env):
         # The same client: its next exchange is a new connection, answered in full.
         assert request(f"{TLS_BASE}/text.txt", client=client)["body"] == "plain text"
         assert request(f"{BASE}/text.txt", client=client)["body"] == "plain text"
+
+
+@pytest.mark.parametrize("tool", ["fetch", "read"])
+def test_a_page_too_costly_to_convert_answers_at_the_deadline(env, tool):
+    from sluice.webtools.read import read
+
+    call = fetch if tool == "fetch" else read
+    with WebClient(env=env, limits=Limits(timeout=DEADLINE)) as client:
+        t = time.monotonic()
+        result = call(f"{BASE}/brs.html", client=client)
+        took = time.monotonic() - t
+    assert code(result) == "web_timeout", result
+    assert "converting it did not finish" in result["error"]["message"]
+    assert took < DEADLINE + SLACK
+    with WebClient(env=env) as client:  # the next call gets a fresh worker and a normal answer
+        assert code(fetch(f"{BASE}/text.txt", client=client)) is None
 
 
 # ------------------------------------------------------------------ item 9: sniffing
