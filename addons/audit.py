@@ -31,10 +31,11 @@ from mitmproxy import connection, ctx, exceptions, http, tcp
 
 from sluice.addons.verdict import Verdict, verdict_of
 from sluice.policy.decide import Decision
+from sluice.policy.request_rules import MAX_AUDIT_PATH, split_target
 
 # The one list of audit fields, in output order. Absent values are null.
 FIELDS = (
-    "time", "event", "id", "connect_id", "client", "user", "profile", "method", "scheme", "host", "port",
+    "time", "event", "id", "connect_id", "client", "user", "profile", "method", "scheme", "host", "port", "path",
     "address", "decision", "reason", "would_refuse", "rule", "credential", "status",
     "bytes_in", "bytes_out", "duration", "detail",
 )
@@ -166,7 +167,8 @@ class AuditLog:
             id=flow.id, connect_id=verdict.connect_id,
             client=peer(flow.client_conn), user=verdict.user, profile=verdict.profile,
             method=flow.request.method, scheme=None if connect else flow.request.scheme,
-            host=str(d.host) if d.host else verdict.host, port=verdict.port, address=d.address,
+            host=str(d.host) if d.host else verdict.host, port=verdict.port,
+            path=None if connect else audit_path(flow.request.path), address=d.address,
             decision="refuse" if refusal else "allow",
             reason=(refusal or soft).reason.value if (refusal or soft) else None,
             would_refuse=True if soft else None,
@@ -214,6 +216,14 @@ class AuditLog:
             host=str(decision.host) if decision.host else host, port=port,
             decision="refuse", reason=refusal.reason.value, rule=refusal.rule, detail=refusal.detail,
         )
+
+
+def audit_path(target: str | None) -> str | None:
+    """A request's path for its audit line: as forwarded (normalised where
+    request rules judged it), without the query, at most MAX_AUDIT_PATH characters."""
+    if not target:
+        return None
+    return split_target(target)[0][:MAX_AUDIT_PATH]
 
 
 def _rule(d: Decision, refusal) -> str | None:

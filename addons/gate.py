@@ -67,6 +67,7 @@ from sluice.policy.decide import Decision, Destination, check_address, check_ans
 from sluice.policy.hosts import HostError, NameHost, parse_host
 from sluice.policy.model import Policy, Rules
 from sluice.policy.reasons import Reason, Refusal
+from sluice.policy.request_rules import split_target
 
 # SOCKS5 reply: version 5, REP 2 "connection not allowed by ruleset", IPv4 0.0.0.0:0.
 SOCKS5_NOT_ALLOWED = b"\x05\x02\x00\x01\x00\x00\x00\x00\x00\x00"
@@ -151,6 +152,7 @@ class EgressGate:
             # An intercepted tunnel's requests are checked one by one, so the
             # CONNECT itself is not a method the policy must list.
             method=None if intercept else request.method,
+            target=None if connect else request.path,
         )
         if client.refusal is not None:
             decision = Decision(False, None, client.refusal, port=request.port)
@@ -172,6 +174,7 @@ class EgressGate:
             # 3.2.2 has the proxy replace it, so the origin sees the host the
             # gate decided on (no fronting another virtual host on that IP).
             request.host_header = _authority(request.scheme, request.host, request.port)
+        _forward_path(request, decision)
         # Pin: mitmproxy dials (and keys connection reuse on) request.host.
         request.data.host = decision.address
         self._approve(flow.client_conn, decision.address, request.port, client.rules)
@@ -194,13 +197,14 @@ class EgressGate:
         if refusal is not None:
             decision = Decision(False, None, refusal, port=tunnel.port)
         else:
-            dest = Destination(tunnel.host, tunnel.port, request.scheme, request.method)
+            dest = Destination(tunnel.host, tunnel.port, request.scheme, request.method, target=request.path)
             decision = await decide(rules, dest, live.resolver)
         flow.metadata[META] = Verdict(tunnel.host, tunnel.port, decision, tunnel.profile, rules, method=request.method)
         _inside(flow, tunnel)
         if not decision.allowed:
             flow.response = refusal_response(decision.refusal)
             return
+        _forward_path(request, decision)
         # Stay on the tunnel's pinned address (it was validated at CONNECT).
         request.data.host = tunnel.decision.address
         if request.authority and not (request.is_http2 or request.is_http3):
@@ -565,3 +569,15 @@ class _RefuseClient(layer.Layer):
     def _handle_event(self, event: events.Event) -> layer.CommandGenerator[None]:
         if isinstance(event, events.Start):
             yield commands.CloseConnection(self.context.client)
+
+
+def _forward_path(request: http.Request, decision: Decision) -> None:
+    """Forward exactly the normalised path the request rules matched (the
+    query as sent), so the origin never sees a spelling no rule judged
+    (HTTP/2's `:path` too: mitmproxy sends request.path as it)."""
+    if decision.path is None:
+        return
+    _, query = split_target(request.path)
+    target = decision.path if query is None else f"{decision.path}?{query}"
+    if target != request.path:
+        request.path = target

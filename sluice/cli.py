@@ -162,6 +162,20 @@ def _parser() -> argparse.ArgumentParser:
     test.set_defaults(subparser=test)
     test.add_argument("-v", "--verbose", action="store_true", help="also print a line for every passing case")
 
+    suggest = psub.add_parser(
+        "suggest", help="print a diff to the policy that would allow what an audit log shows refused",
+        description="Read refusals and report-mode would_refuse lines from AUDIT (a JSON-lines audit log) and print "
+                    "a unified diff against the policy that would allow them: allow entries for hosts, and for "
+                    "intercepted hosts request rules with methods and generalised paths, ended by a deny for the "
+                    "rest of the host. Non-public addresses and internal names are never suggested. Comments and "
+                    "order are kept. Exit 0 (a diff, or nothing to suggest), 1 invalid policy or audit log, 2 usage.",
+    )
+    suggest.add_argument("--policy", metavar="FILE", required=True, help="the policy YAML to edit")
+    suggest.add_argument("--audit", metavar="AUDIT.jsonl", required=True, help="the proxy's audit log (--audit-log)")
+    suggest.add_argument("--profile", metavar="NAME", help="only this client profile's lines (and its rules)")
+    suggest.add_argument("--since", metavar="DURATION", help="only lines from the last DURATION (e.g. 30m, 24h)")
+    suggest.add_argument("--apply", action="store_true", help="write the result to FILE, then run `policy check` on it")
+
     init = psub.add_parser("init", help="write the commented starter policy to FILE, to edit",
                            description="Write the starter policy (any public host on ports 80 and 443; every "
                                        "key commented) to FILE, default policy.yaml; '-' prints it. An existing "

@@ -74,6 +74,10 @@ def dispatch(args) -> int:
         return run_test(args.file, args.cases, verbose=args.verbose)
     if command == "hash-password":
         return hash_password_command()
+    if command == "suggest":
+        from sluice.policy_suggest import suggest
+
+        return suggest(args.policy, args.audit, profile=args.profile, since=args.since, apply=args.apply)
     if command == "init":
         return init(args.file, force=args.force)
     return EXIT_USAGE
@@ -415,7 +419,17 @@ def parse_url(url: str, method: str = "GET") -> Destination:
     except ValueError as e:
         raise UsageError(str(e)) from None
     return Destination(host=target.host, port=target.port, scheme=target.scheme, method=method,
-                       has_credentials=target.has_credentials)
+                       has_credentials=target.has_credentials, target=_request_target(url))
+
+
+def _request_target(url: str) -> str:
+    """The origin-form target (path and query, no fragment) a client sends for this URL."""
+    after = url.split("//", 1)[1] if "//" in url else ""
+    end = next((i for i, c in enumerate(after) if c in "/?#\\"), len(after))
+    rest = after[end:].split("#", 1)[0]
+    if not rest or rest.startswith("?"):
+        rest = "/" + rest
+    return rest
 
 
 def resolve_name(text: str) -> str:
@@ -565,7 +579,7 @@ async def judge(policy: Policy, client: str | None, dest: Destination, resolver)
         note = (f"{INTERCEPTED}: CONNECT {authority} is allowed without a method check; every request inside the "
                 "tunnel is then decided on its own, with its method.")
         return Judgement(decision, profile, "intercepted", note, authority, method)
-    inner = await decide(rules, Destination(dest.host, dest.port, "https", method), resolver)
+    inner = await decide(rules, Destination(dest.host, dest.port, "https", method, target=dest.target), resolver)
     if inner.allowed:
         # Requests inside stay on the address the tunnel was validated and pinned with.
         inner = replace(inner, address=decision.address, addresses=decision.addresses)
@@ -608,6 +622,8 @@ def decision_json(judgement: Judgement, dest: Destination) -> dict[str, Any]:
         "profile": profile,
         "host": str(host) if host is not None else None,
         "port": dest.port,
+        # The path the proxy forwards (normalised) when request rules judged it.
+        "path": decision.path,
         "addresses": list(decision.addresses),
         "address": decision.address,
         "status": decision.refusal.status if decision.refusal else None,
