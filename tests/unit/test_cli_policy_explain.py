@@ -30,7 +30,7 @@ clients:
     allow: ["**.example.org"]
 """
 
-KEYS = {"decision", "reason", "would_refuse", "rule", "profile", "host", "port", "addresses", "address", "status", "detail",
+KEYS = {"decision", "reason", "would_refuse", "rule", "profile", "host", "port", "path", "addresses", "address", "status", "detail",
         "message", "via", "note", "credential"}
 
 
@@ -64,7 +64,7 @@ def test_allowed_request(explain, policy):
     data = decided(explain("--resolve", "example.com=93.184.215.14", "https://example.com/path?q=1", expect_code=0))
     assert data == {
         "decision": "allow", "reason": None, "would_refuse": False, "rule": f"{policy}:2", "profile": None,
-        "host": "example.com", "port": 443, "addresses": ["93.184.215.14"], "address": "93.184.215.14",
+        "host": "example.com", "port": 443, "path": None, "addresses": ["93.184.215.14"], "address": "93.184.215.14",
         "status": None, "detail": None, "message": None, "via": "tunnel",
         "note": "tunnel: the method is not visible: the proxy sees only CONNECT example.com:443 (the host is not under "
                 "`intercept`) and decides it by host, port and address; the GET inside, its path and headers are never "
