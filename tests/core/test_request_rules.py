@@ -435,3 +435,25 @@ def test_any_rules_value_loads_or_is_problems_never_a_crash(value):
         load_policy_text(text, "p.yaml")
     except PolicyInvalid as e:
         assert all("could not be read" not in str(p) for p in e.problems), e.problems
+
+
+def test_explain_and_test_decide_the_path_and_name_the_rule(tmp_path, capsys):
+    import json as _json
+
+    from sluice.policy_cli import explain, run_test
+
+    policy = tmp_path / "p.yaml"
+    policy.write_text(GITHUB)
+    resolve = ["api.github.com=140.82.112.6"]
+    assert explain(str(policy), "https://api.github.com/repos//acme/./x?y=1#top", resolve=resolve) == 0
+    data = _json.loads(capsys.readouterr().out)
+    assert (data["rule"], data["path"]) == (f"{policy}:5", "/repos/acme/x")
+    assert explain(str(policy), "https://api.github.com/repos/acme/x", method="DELETE", resolve=resolve) == 3
+    data = _json.loads(capsys.readouterr().out)
+    assert (data["reason"], data["rule"]) == ("rule_denied", f"{policy}:4")
+    cases = tmp_path / "cases.yaml"
+    cases.write_text("- {url: 'https://api.github.com/user', expect: allow, resolve: {api.github.com: 140.82.112.6}}\n"
+                     "- {url: 'https://api.github.com/user/', expect: allow, resolve: {api.github.com: 140.82.112.6}}\n")
+    assert run_test(str(policy), str(cases)) == 1
+    out = capsys.readouterr().out
+    assert f"cases.yaml:2: FAIL" in out and f"[rule {policy}:7]" in out and "1 passed, 1 failed" in out
