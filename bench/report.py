@@ -330,7 +330,14 @@ def extraction_lines(ex: dict) -> list[str]:
     f1 = ex["f1"]
     return [f"Main content (`python -m bench extraction`): F1 {f1['f1']:.3f} on the held-out half "
             f"({f1['pages']} pages). Structure: the share of the reference's structures found in the right "
-            "markdown form after markdown-it-py reads the output (n):", "", *structure_table(ex["structure"])]
+            "markdown form after markdown-it-py reads the output (n):", "", *structure_table(ex["structure"]),
+            "", facts_line(ex["structure"]["built"]["facts"])]
+
+
+def facts_line(facts: dict) -> str:
+    failed = [f for f, ok in facts.items() if not ok]
+    return (f"Built pages' own facts (MathML text, repeated paragraphs, captions after images, no table around a "
+            f"layout): {len(facts) - len(failed)} of {len(facts)} hold" + (f"; failing: {', '.join(failed)}" if failed else ""))
 
 
 def markdown(results: dict) -> str:
