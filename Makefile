@@ -21,8 +21,9 @@ $(VENV)/.installed: pyproject.toml $(LOCK)
 	@# (pyproject's package-dir); setuptools then prints an informational
 	@# UserWarning about editable mode, which is silenced here. The wheel itself
 	@# builds without warnings and holds only `sluice`. Runtime dependencies
-	@# are already installed from the lock; this adds the test extras.
-	PYTHONWARNINGS=ignore::UserWarning $(PY) -m pip install -q -e '.[proxy,test]'
+	@# are already installed from the lock; this adds the test extras and the
+	@# render extra (Playwright), whose tests run in CI.
+	PYTHONWARNINGS=ignore::UserWarning $(PY) -m pip install -q -e '.[proxy,test,render]'
 	@touch $@
 
 venv: $(VENV)/.installed

@@ -33,6 +33,10 @@ def add_parsers(sub) -> None:
     p.add_argument("url", metavar="URL")
     p.add_argument("--offset", type=int, default=0, metavar="N", help="first character of the window (default 0)")
     p.add_argument("--max-chars", type=int, default=40000, metavar="N", help="window size (default 40000)")
+    p.add_argument("--render", action="store_true", help="load the page in headless Chromium (its scripts run), "
+                   "through the proxy only; needs the render extra")
+    p.add_argument("--screenshot", action="store_true", help="with --render: a PNG of the viewport (its base64 "
+                   "in --json's screenshot_data)")
     common(p)
 
     p = sub.add_parser("source-read", help="web tool: another window of a page fetched earlier, from the store",
@@ -78,6 +82,8 @@ def dispatch(args) -> int:
     command = args.command
     if command == "fetch":
         name, kwargs = "fetch", {"url": args.url, "offset": args.offset, "max_chars": args.max_chars}
+        if getattr(args, "render", False) or getattr(args, "screenshot", False):
+            kwargs.update(render=args.render, screenshot=args.screenshot)
     elif command == "source-read":
         name, kwargs = "source_read", {"source_id": args.source_id, "offset": args.offset, "max_chars": args.max_chars}
     elif command == "request":

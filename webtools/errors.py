@@ -31,6 +31,8 @@ ERRORS: dict[str, str] = {
     "web_type_mismatch": "an image or PDF whose bytes are not of its declared type (`content_type`; `looks_like` says what they look like); nothing of it is returned",
     "web_internal_error": "a bug in the web tools, not in the request (the exception is named); nothing was returned: report it",
     "web_busy": "the MCP server is already running its limit of calls at once (SLUICE_WEB_CONCURRENCY, 8 by default); try again when one has answered",
+    "web_render_unavailable": "render=true needs the render extra (`pip install 'sluice[render]'`), Debian's Chromium, and, as root, SLUICE_RENDER_USER (the message says which is missing)",
+    "web_render_failed": "the browser crashed or went over its memory cap while rendering; fetch without render may still read the page",
     "web_status_not_ok": "the origin answered with a status outside 2xx (`status`)",
     "web_bad_offset": "offset is not a non-negative whole number",
     "web_offset_past_end": "offset is past the end of the page (`total_chars`)",
@@ -57,7 +59,8 @@ ERRORS: dict[str, str] = {
 # Codes only the operator can fix (setup: proxy, TLS/CA, store, keys, a bug): the
 # tool descriptions leave them to their own message, which names the fix.
 SETUP_CODES = frozenset({"web_no_proxy", "web_proxy_unreachable", "web_proxy_auth", "web_tls_error",
-                         "web_store_error", "web_internal_error", "search_bad_key"})
+                         "web_store_error", "web_internal_error", "search_bad_key",
+                         "web_render_unavailable"})
 
 
 class WebError(Exception):

@@ -21,6 +21,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import hashlib
+import os
 import time
 from datetime import datetime, timezone
 
@@ -101,12 +102,21 @@ def _fetch_plan(limits: Limits):
     return classify
 
 
-def fetch(url: str, offset: int = 0, max_chars: int = DEFAULT_MAX_CHARS, *, client: WebClient | None = None,
-          store: SourceStore | None = None, owner: str | None = None) -> dict:
+def fetch(url: str, offset: int = 0, max_chars: int = DEFAULT_MAX_CHARS, render: bool = False,
+          screenshot: bool = False, *, client: WebClient | None = None, store: SourceStore | None = None,
+          owner: str | None = None) -> dict:
     try:
         check_window_args(offset, max_chars)
         started = time.monotonic()
+        if not isinstance(render, bool) or not isinstance(screenshot, bool):
+            raise WebError("web_bad_argument", "render and screenshot are true or false")
+        if screenshot and not render:
+            raise WebError("web_bad_argument", "screenshot=true needs render=true (a screenshot is of the rendered page)")
         with call_client(client) as client:
+            if render:
+                rendered = _render(url, client, screenshot)
+                if rendered.is_html:
+                    return _rendered_page(rendered, client, store, owner, offset, max_chars)
             fetched = client.get(url, classify=_fetch_plan(client.limits))
         if fetched.mime in IMAGE_TYPES or fetched.mime == PDF_TYPE:
             check_signature(fetched.mime, fetched.body, fetched.final_url)  # an "image" of HTML is refused
@@ -153,6 +163,47 @@ def fetch(url: str, offset: int = 0, max_chars: int = DEFAULT_MAX_CHARS, *, clie
         return page_result(source, offset, max_chars)
     except WebError as e:
         return e.as_dict()
+
+
+def _render(url: str, client: WebClient, screenshot: bool):
+    """The page loaded in the browser (webtools.render), through the proxy the client would use."""
+    from sluice.webtools.client import check_url, proxy_for
+    from sluice.webtools.render import render_page
+
+    env = os.environ if client.env is None else client.env
+    target = check_url(url)  # the first-line check, as for a static fetch
+    return render_page(target, proxy_url=proxy_for(target.split(":", 1)[0], env), env=env,
+                       timeout=client.limits.timeout, screenshot=screenshot)
+
+
+def _rendered_page(rendered, client: WebClient, store, owner, offset: int, max_chars: int) -> dict:
+    """A rendered DOM through the same conversion, store and windows as a static page."""
+    from sluice.webtools.convert import html_to_markdown
+    from sluice.webtools.render import screenshot_part
+
+    html = rendered.html
+    truncated = rendered.truncated
+    if len(html) > client.limits.text_bytes:  # the same read cap as a static page
+        html, truncated = html[:client.limits.text_bytes], True
+    converted = html_to_markdown(html, rendered.final_url, encoding="utf-8", max_chars=client.limits.text_bytes)
+    source = {
+        "url": rendered.url, "final_url": rendered.final_url, "status": rendered.status,
+        "content_type": rendered.content_type, "title": converted.title,
+        "needs_javascript": converted.needs_javascript, "truncated": truncated, "captured_at": now_rfc3339(),
+        "content": converted.markdown, "hidden_chars": converted.hidden_chars,
+        "markdown_truncated": converted.cut, "rendered": True, "render": rendered.stats,
+    }
+    if truncated and len(rendered.html) > client.limits.text_bytes:
+        source["read_cap"] = client.limits.text_bytes
+    source.update(header_values(source))
+    store = store or default_store()
+    source["source_id"] = store.put(default_owner() if owner is None else owner, source)
+    result = page_result(source, offset, max_chars)
+    shot = screenshot_part(rendered)
+    if shot is not None:
+        result["screenshot"] = {k: v for k, v in shot.items() if k != "data"}
+        result["screenshot_data"] = shot["data"]
+    return result
 
 
 def source_read(source_id: str, offset: int = 0, max_chars: int = DEFAULT_MAX_CHARS, *,
@@ -207,8 +258,11 @@ def page_result(source: dict, offset: int, max_chars: int, *, binary: dict | Non
         "markdown_truncated": source.get("markdown_truncated", False),
         "needs_javascript": source["needs_javascript"],
         "hidden_chars": source.get("hidden_chars", 0),
+        "rendered": source.get("rendered", False),
         "content": w["content"],
     }
+    if source.get("render"):
+        result["render"] = source["render"]
     if source.get("read_cap"):
         result["read_cap"] = source["read_cap"]
     if result["kind"] == "pdf":
@@ -263,7 +317,7 @@ def page_text(r: dict) -> str:
     if r.get("store_truncated"):
         lines.append("[truncated: the converted page was longer than the source store keeps for one source; "
                      "only its start was kept]")
-    elif r["truncated"]:
+    elif r["truncated"] and (r.get("read_cap") or not (r.get("render") or {}).get("cut")):
         cap = r.get("read_cap")
         size = f"{cap:,} bytes" if cap else "SLUICE_WEB_TEXT_BYTES when it was fetched, 2 MiB by default"
         lines.append(f"[truncated: the page was longer than the read cap ({size}); only its start was read]")
@@ -275,11 +329,36 @@ def page_text(r: dict) -> str:
                      "or its own styles) were left out]")
     if r["kind"] == "pdf":
         lines += pdf_notes(r)
-    if r["needs_javascript"]:
-        lines.append("[this page needs JavaScript: it is an app shell with almost no text, and no scripts run here; "
-                     "look for another source]")
+    if r.get("render"):
+        lines.append(render_note(r["render"]))
+    if r["needs_javascript"] and not r.get("rendered"):
+        lines.append("[this page needs JavaScript: it is an app shell with almost no text, and no scripts ran; "
+                     "fetch it again with render=true, or look for another source]")
+    elif r["needs_javascript"]:
+        lines.append("[even rendered, this page has almost no text; look for another source]")
     lines.append(envelope(r["content"], url=r["final_url"], title=r["title"]))
     return "\n".join(lines)
+
+
+_CUT_WORDS = {"requests": "its request cap", "bytes": "its data cap", "dom_nodes": "its DOM cap (only the first "
+              "elements were kept)", "screenshot_bytes": "the screenshot cap (no screenshot)"}
+
+
+def render_note(stats: dict) -> str:
+    """One line on what the browser did: requests, the proxy's refusals, failed tunnels, caps."""
+    parts = [f"rendered in a browser: {stats.get('requests', 0)} requests"]
+    refused = stats.get("refused") or {}
+    if refused:
+        reasons = ", ".join(f"{reason} x{n}" for reason, n in sorted(refused.items()))
+        parts.append(f"{sum(refused.values())} refused by the proxy ({reasons})")
+    if stats.get("failed_tunnels"):
+        parts.append(f"{stats['failed_tunnels']} tunnels refused or failed")
+    if not stats.get("network_quiet", True):
+        parts.append("the network was still busy at the deadline")
+    cut = [_CUT_WORDS.get(c, c) for c in stats.get("cut") or ()]
+    if cut:
+        parts.append("stopped at " + " and ".join(cut))
+    return "[" + "; ".join(parts) + "]"
 
 
 def _binary(f: Fetched) -> dict:

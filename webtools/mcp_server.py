@@ -67,7 +67,7 @@ INSTRUCTIONS = (
 
 # What travels once, in the text part (or the image/PDF part): never in the
 # structured content, which is the result's metadata.
-PAYLOAD_FIELDS = ("text", "content", "body", "data", "urls", "sitemaps", "results")
+PAYLOAD_FIELDS = ("text", "content", "body", "data", "urls", "sitemaps", "results", "screenshot_data")
 
 _S, _I, _B = {"type": "string"}, {"type": "integer"}, {"type": "boolean"}
 _OPT_S, _OPT_I = {"type": ["string", "null"]}, {"type": ["integer", "null"]}
@@ -79,7 +79,8 @@ _METADATA: dict[str, tuple[dict, tuple[str, ...]]] = {
                "source_id": _S, "total_chars": _I, "offset": _I, "end": _I, "next_offset": _OPT_I,
                "truncated": _B, "store_truncated": _B, "markdown_truncated": _B, "needs_javascript": _B,
                "hidden_chars": _I, "read_cap": _I, "bytes": _I, "sha256": _S,
-               "pages": _OPT_I, "pages_read": _I, "scanned": _B, "text_incomplete": _OPT_S},
+               "pages": _OPT_I, "pages_read": _I, "scanned": _B, "text_incomplete": _OPT_S, "rendered": _B,
+               "render": {"type": "object"}, "screenshot": {"type": "object"}},
               ("kind", "url", "final_url", "status")),
     "read": ({"kind": {"const": "page"}, **_FETCHED, "title": _OPT_S, "chars": _I, "sha256": _S,
               "hidden_chars": _I}, ("kind", "final_url", "status", "chars", "sha256")),
@@ -137,7 +138,11 @@ def to_call_result(tool: Tool, result: dict) -> types.CallToolResult:
                 uri=result["final_url"], mime_type=result["content_type"], blob=result["data"]))
         return types.CallToolResult(content=[types.TextContent(type="text", text=text), part],
                                     structured_content=structured)
-    return types.CallToolResult(content=[types.TextContent(type="text", text=text)], structured_content=structured)
+    content: list = [types.TextContent(type="text", text=text)]
+    if result.get("screenshot_data"):  # a rendered page's screenshot: its bytes travel once, in this part
+        content.append(types.ImageContent(type="image", data=result["screenshot_data"],
+                                          mime_type=result["screenshot"]["content_type"]))
+    return types.CallToolResult(content=content, structured_content=structured)
 
 
 def concurrency(env=None) -> int:

@@ -93,7 +93,8 @@ TOOLS: dict[str, Tool] = {
         "as they are; images whole; PDFs whole and as text. Long pages come in windows: when the header says 'pass offset=N to "
         "continue', call again with offset=N. web_status_not_ok, web_unsupported_type, web_too_large, "
         "web_type_mismatch: try another URL. " + _envelope("The page", "page") + " " + _REQUESTS,
-        (_URL, _OFFSET, _MAX),
+        (_URL, _OFFSET, _MAX, Param("render", "boolean", "run the page's scripts in a browser (slow)", False),
+         Param("screenshot", "boolean", "with render: add a PNG of the viewport", False)),
     ),
     "source_read": Tool(
         "source_read", "web_source_read", "source-read", source_read,
@@ -166,6 +167,9 @@ def render(tool_name: str, result: dict) -> str:
             return binary_header(result)
         if kind == "pdf" and "text" not in result:
             return binary_header(result)
+        if result.get("screenshot"):
+            shot = result["screenshot"]
+            return f"{result['text']}\nScreenshot {shot['content_type']}, {shot['bytes']:,} bytes (sha256 {shot['sha256']})"
         return result["text"]  # a PDF's is its text (the PDF itself goes as its own part)
     if tool_name == "read":
         head = [f"Title: {result['title']}"] if result["title"] else []
