@@ -90,7 +90,7 @@ CHROMIUM_FLAGS = (
     "--no-pings",  # no <a ping>
     "--no-first-run",
     "--no-default-browser-check",
-    "--disable-breakpad",  # no crash uploads
+    "--disable-breakpad",  # no crash uploads (Debian's build still starts a crashpad handler: killed with the tree)
     # Media router / DIAL discovery send SSDP multicast; translation and
     # optimisation hints call Google services.
     "--disable-features=MediaRouter,DialMediaRouteProvider,OptimizationHints,Translate,"
@@ -227,18 +227,26 @@ def split_proxy(proxy_url: str) -> tuple[str, str | None, str | None]:
 
 # ---------------------------------------------------------------- the process tree
 
-def _session_members(sid: int) -> list[int]:
+def _members(sid: int, home: str | None = None) -> list[int]:
+    """The processes of a browser: its session, and (with `home`) anything
+    started with its private HOME, such as the crashpad handler, which
+    leaves the session."""
     members = []
+    marker = f"HOME={home}\0".encode() if home else None
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
         try:
             stat = Path(f"/proc/{entry}/stat").read_text()
-        except OSError:
+            fields = stat.rsplit(")", 1)[-1].split()
+            if not fields or fields[0] in ("Z", "X"):
+                continue  # dead, waiting to be reaped
+            if len(fields) > 3 and int(fields[3]) == sid:  # state ppid pgrp session
+                members.append(int(entry))
+            elif marker is not None and marker in Path(f"/proc/{entry}/environ").read_bytes():
+                members.append(int(entry))
+        except (OSError, ValueError):
             continue
-        fields = stat.rsplit(")", 1)[-1].split()
-        if len(fields) > 3 and int(fields[3]) == sid:  # state ppid pgrp session
-            members.append(int(entry))
     return members
 
 
@@ -246,7 +254,7 @@ def tree_rss(sid: int) -> int:
     """Resident bytes of every process in the browser's session."""
     page = os.sysconf("SC_PAGE_SIZE")
     total = 0
-    for pid in _session_members(sid):
+    for pid in _members(sid):
         try:
             total += int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * page
         except (OSError, IndexError, ValueError):
@@ -254,21 +262,21 @@ def tree_rss(sid: int) -> int:
     return total
 
 
-def kill_tree(sid: int) -> None:
-    """SIGKILL the browser's process group and anything else in its session."""
+def kill_tree(sid: int, home: str | None = None) -> None:
+    """SIGKILL the browser's process group and every other process of it."""
     try:
         os.killpg(sid, signal.SIGKILL)
     except OSError:
         pass
-    for pid in _session_members(sid):
+    for pid in _members(sid, home):
         try:
             os.kill(pid, signal.SIGKILL)
         except OSError:
             pass
 
 
-def tree_alive(sid: int) -> bool:
-    return bool(_session_members(sid))
+def tree_alive(sid: int, home: str | None = None) -> bool:
+    return bool(_members(sid, home))
 
 
 # ---------------------------------------------------------------- the browser
@@ -349,7 +357,7 @@ class _Browser:
             except Exception:  # noqa: BLE001 - killed below whatever happened
                 pass
         if self.pid is not None:
-            kill_tree(self.pid)
+            kill_tree(self.pid, str(self.home))
         if self.browser is not None and kill:
             try:
                 await asyncio.wait_for(self.browser.close(), 3)
@@ -374,7 +382,9 @@ class Renderer:
         self._browser: _Browser | None = None
         self._launching: asyncio.Lock | None = None
         self.running = 0
-        self.last_pid: int | None = None  # the last browser's session id (tests check it is gone)
+        # The last browser's session id and HOME (tests check that its processes are gone).
+        self.last_pid: int | None = None
+        self.last_home: str | None = None
 
     def _ensure_loop(self) -> asyncio.AbstractEventLoop:
         with self._lock:
@@ -436,7 +446,7 @@ class Renderer:
                     raise unavailable(f"Chromium ({clean(spec.chromium, 200)}) did not start: "
                                       f"{clean(str(e).splitlines()[0] if str(e) else type(e).__name__, 300)}") from None
                 self._browser = b
-                self.last_pid = b.pid
+                self.last_pid, self.last_home = b.pid, str(b.home)
             b.calls += 1
             return b
 
@@ -529,6 +539,7 @@ class _PageRun:
         self.websockets = 0
         self.over_memory = False
         self.page = None
+        self.stopped = asyncio.Event()  # a cap tripped: read the page now, without waiting for quiet
 
     def memory_error(self) -> WebError:
         return WebError("web_render_failed", f"rendering {clean(self.url, URL_CHARS)} took more than the browser's "
@@ -539,8 +550,10 @@ class _PageRun:
     def _cut(self, why: str) -> None:
         if why not in self.cut:
             self.cut.append(why)
-            if why in ("requests", "bytes") and self.page is not None:
-                asyncio.ensure_future(self._stop_loading())
+            if why in ("requests", "bytes"):
+                self.stopped.set()
+                if self.page is not None:
+                    asyncio.ensure_future(self._stop_loading())
 
     async def _stop_loading(self) -> None:
         try:
@@ -602,7 +615,7 @@ class _PageRun:
             await asyncio.sleep(0.25)
             if tree_rss(self.browser.pid) > self.limits.memory:
                 self.over_memory = True
-                kill_tree(self.browser.pid)
+                kill_tree(self.browser.pid, str(self.browser.home))
                 return
 
     def left(self, reserve: float = 0.0) -> float:
@@ -670,11 +683,7 @@ class _PageRun:
             rendered.is_html = False  # the caller reads it as a static fetch does
             rendered.stats = self.stats(quiet=True)
             return rendered
-        quiet = True
-        try:
-            await page.wait_for_load_state("networkidle", timeout=max(self.left(QUIET_RESERVE), 0.1) * 1000)
-        except PlaywrightError:
-            quiet = False  # still busy at the deadline: read it as it is
+        quiet = await self._quiet(page)
         total = await page.evaluate(_DOM_CAP_JS, self.limits.dom_nodes)
         if total > self.limits.dom_nodes:
             self._cut("dom_nodes")
@@ -686,6 +695,26 @@ class _PageRun:
         rendered.stats = self.stats(quiet=quiet, dom_nodes=total)
         rendered.truncated = bool(self.cut)
         return rendered
+
+    async def _quiet(self, page) -> bool:
+        """Wait for the network to go quiet (True), the deadline, or a cap (False: read it as it is)."""
+        from playwright.async_api import Error as PlaywrightError
+
+        idle = asyncio.ensure_future(page.wait_for_load_state(
+            "networkidle", timeout=max(self.left(QUIET_RESERVE), 0.1) * 1000))
+        stop = asyncio.ensure_future(self.stopped.wait())
+        try:
+            await asyncio.wait({idle, stop}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stop.cancel()
+        if not idle.done():
+            idle.cancel()
+            return False
+        try:
+            idle.result()
+        except (PlaywrightError, asyncio.CancelledError):
+            return False
+        return True
 
     async def _screenshot(self, page) -> tuple[bytes | None, str]:
         timeout = max(self.left(0.5), 0.5) * 1000
