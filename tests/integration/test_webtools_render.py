@@ -106,6 +106,17 @@ setTimeout(() => { document.getElementById('seen').textContent = 'Before this re
   '. This sentence makes the paragraph long enough for the extractor to keep it.'; }, 300);
 </script></body></html>"""
 
+# WebRTC: a STUN request to a canary's UDP port (ICE gathering starts at setLocalDescription);
+# /slow keeps the page open while it gathers.
+STUN = """<!doctype html><html><body><main><h1>STUN</h1><p id="s">This page asks a STUN server on a private
+address for its public address, which would be a UDP datagram past any HTTP proxy.</p></main><script>
+const pc = new RTCPeerConnection({iceServers: [{urls: 'stun:10.0.0.1:3478'}]});
+pc.createDataChannel('x');
+pc.createOffer().then(o => pc.setLocalDescription(o));
+fetch('/slow');
+</script></body></html>"""
+STUN_PORT = 3478
+
 BUSY = """<!doctype html><html><body><main><h1>Busy</h1><p>This page polls its origin for as long as it is open,
 so the network never goes quiet; the render must still end and read it.</p></main><script>
 setInterval(() => fetch('/poll?' + Math.random()), 100);
@@ -167,11 +178,14 @@ class RenderOrigin:
         return True
 
     async def _route(self, path: str, writer) -> bool:
-        pages = {"/spa": SPA, "/escape": ESCAPE, "/flood": FLOOD, "/storage": STORAGE, "/busy": BUSY}
+        pages = {"/spa": SPA, "/escape": ESCAPE, "/flood": FLOOD, "/storage": STORAGE, "/busy": BUSY, "/stun": STUN}
         if path in pages:
             return await self._send(writer, "text/html; charset=utf-8", pages[path])
         if path == "/data.json":
             return await self._send(writer, "application/json", json.dumps(DATA))
+        if path == "/slow":
+            await asyncio.sleep(3)
+            return await self._send(writer, "text/plain", "slow")
         if path == "/plain.txt":
             return await self._send(writer, "text/plain", "just text, no page to render")
         if path == "/never":  # a document that never finishes arriving
@@ -403,3 +417,86 @@ def foreign_browsers() -> list[int]:
         if b"sluice-render-" in cmdline and int(entry) not in own:
             found.append(int(entry))
     return found
+
+
+class UdpCanary:
+    """Counts datagrams to a canary's UDP port."""
+
+    def __init__(self, ip: str, port: int):
+        import socket
+
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        self.sock.bind((ip, port))
+        self.sock.settimeout(0.2)
+        self.datagrams = 0
+        self.running = True
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self):
+        while self.running:
+            try:
+                self.sock.recvfrom(4096)
+                self.datagrams += 1
+            except OSError:
+                continue
+
+    def close(self):
+        self.running = False
+        self.thread.join(2)
+        self.sock.close()
+
+
+RENDER_IN_AGENT = """
+import json, sys
+from sluice.webtools.client import WebClient
+from sluice.webtools.fetch import fetch
+from sluice.webtools.store import SourceStore
+r = fetch(sys.argv[1], render=True, client=WebClient(env=json.loads(sys.argv[2])), store=SourceStore(sys.argv[3]), owner="t")
+print(json.dumps({k: r.get(k) for k in ("error", "render", "rendered")}))
+"""
+
+CONTROL_IN_AGENT = """
+import sys
+from playwright.sync_api import sync_playwright
+with sync_playwright() as p:
+    b = p.chromium.launch(executable_path=sys.argv[2], args=["--no-sandbox"])
+    page = b.new_page()
+    page.goto(sys.argv[1], wait_until="domcontentloaded", timeout=10000)
+    page.wait_for_timeout(3000)
+    b.close()
+"""
+
+
+def test_webrtc_sends_no_udp_from_a_host_with_an_interface(origin, env, tmp_path):
+    """In a namespace with a real (veth) interface, so that WebRTC gathers candidates at all."""
+    import sys
+
+    from harness.agentns import AgentNamespace, missing_tools
+    from harness.sluice import SluiceProcess
+
+    if missing_tools():
+        pytest.skip(f"needs {', '.join(missing_tools())}")
+    canary = UdpCanary("10.0.0.1", STUN_PORT)
+    try:
+        with AgentNamespace("rtc", "10.199.7") as agent:
+            proxy = SluiceProcess(tmp_path / "p", default_policy(ports=[80, 443, PLAIN]), name="rtc")
+            proxy.host = agent.outer_ip
+            proxy.start()
+            try:
+                agent_env = {**env, "SLUICE_PROXY": proxy.proxy_url}
+                out = agent.run([sys.executable, "-c", RENDER_IN_AGENT, f"{BASE}/stun", json.dumps(agent_env),
+                                 str(tmp_path / "s.db")], timeout=90)
+            finally:
+                proxy.stop()
+            assert out.returncode == 0, out.stderr[-2000:]
+            result = json.loads(out.stdout.strip().splitlines()[-1])
+            assert result["error"] is None and result["rendered"] is True, result
+            assert canary.datagrams == 0, f"{canary.datagrams} UDP datagrams reached the STUN canary"
+            # Control: the same page in a browser without Sluice's flags, direct routes: STUN gets out.
+            out = agent.run([sys.executable, "-c", CONTROL_IN_AGENT, f"{BASE}/stun", _CHROMIUM], timeout=90)
+            assert out.returncode == 0, out.stderr[-2000:]
+            time.sleep(0.5)
+            assert canary.datagrams > 0, "the control run sent no STUN datagram: the test proves nothing"
+    finally:
+        canary.close()
