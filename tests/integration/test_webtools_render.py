@@ -340,9 +340,9 @@ def test_a_busy_page_is_read_at_the_deadline(render):
 
 
 def test_a_thousand_requests_hit_the_request_cap(render, origin):
-    started = time.monotonic()
-    r = render(f"{BASE}/flood")
-    print(f"flood render: {time.monotonic() - started:.2f} s")
+    # A thousand aborted requests are a thousand DevTools round trips: on a loaded
+    # 2-CPU machine that took up to 19 s, so this render gets more than the default deadline.
+    r = render(f"{BASE}/flood", timeout=45)
     assert "error" not in r, r
     assert r["truncated"] is True and "requests" in r["render"]["cut"], r["render"]
     assert r["render"]["requests"] == 200
