@@ -12,6 +12,12 @@ A PDF also comes back as text (webtools.pdf: page markers, `pages`,
 `scanned`, `text_incomplete`, within the call's deadline and the read cap),
 windowed and stored like a page (kind "pdf"), so source_read pages through it.
 
+Repeat fetches: a fetch of a URL this owner fetched less than
+SLUICE_WEB_REUSE ago (5 minutes by default; 0 turns it off), matched on
+`reuse_key` (the URL as requested, and whether it was rendered), returns
+that stored source with `cached: true` and its `captured_at`, and sends no
+request; a fresh fetch says `cached: false`.
+
 source_read(source_id, offset=0, max_chars=40000) returns a window of a page
 fetched earlier by the same owner, from the store, with no request.
 """
@@ -26,7 +32,8 @@ import time
 from datetime import datetime, timezone
 
 from sluice.webtools import charsets
-from sluice.webtools.client import Fetched, Limits, ReadPlan, WebClient, call_client
+from sluice.policy.loader import parse_duration
+from sluice.webtools.client import MAX_URL_CHARS, Fetched, Limits, ReadPlan, WebClient, call_client, request_url
 from sluice.webtools.errors import WebError
 from sluice.webtools.sniff import check_signature
 from sluice.webtools.sanitize import TITLE_CHARS, URL_CHARS, clean, clean_optional, media_type
@@ -112,11 +119,23 @@ def fetch(url: str, offset: int = 0, max_chars: int = DEFAULT_MAX_CHARS, render:
             raise WebError("web_bad_argument", "render and screenshot are true or false")
         if screenshot and not render:
             raise WebError("web_bad_argument", "screenshot=true needs render=true (a screenshot is of the rendered page)")
+        owner = default_owner() if owner is None else owner
         with call_client(client) as client:
+            reuse = reuse_seconds(getattr(client, "env", None))
+            # A screenshot is not stored, so a call that wants one is never answered from the store.
+            key = reuse_key(url, rendered=render) if reuse and not screenshot else None
+            if key is not None:
+                try:
+                    store = store or default_store()
+                    hit = store.recent(owner, key, reuse)
+                except WebError:
+                    hit = None  # the store's trouble is said where a source is kept (images keep none)
+                if hit is not None:  # this owner fetched it moments ago: the stored source, no request
+                    return page_result(hit, offset, max_chars, cached=reuse)
             if render:
                 rendered = _render(url, client, screenshot)
                 if rendered.is_html:
-                    return _rendered_page(rendered, client, store, owner, offset, max_chars)
+                    return _rendered_page(rendered, client, store, owner, offset, max_chars, key)
             fetched = client.get(url, classify=_fetch_plan(client.limits))
         if fetched.mime in IMAGE_TYPES or fetched.mime == PDF_TYPE:
             check_signature(fetched.mime, fetched.body, fetched.final_url)  # an "image" of HTML is refused
@@ -151,16 +170,17 @@ def fetch(url: str, offset: int = 0, max_chars: int = DEFAULT_MAX_CHARS, render:
         }
         if extra is not None:
             source.update(kind="pdf", extra=extra)
+        if key is not None:
+            source["reuse_key"] = key
         if fetched.truncated:
             source["read_cap"] = client.limits.text_bytes  # the notice names the cap that cut it
         source.update(header_values(source))
         store = store or default_store()
         # put() may cut content to the per-source cap (and mark it): the
         # window is then over what was stored, as source_read will see it.
-        source["source_id"] = store.put(default_owner() if owner is None else owner, source)
-        if extra is not None:
-            return page_result(source, offset, max_chars, binary=_binary(fetched))
-        return page_result(source, offset, max_chars)
+        source["source_id"] = store.put(owner, source)
+        return page_result(source, offset, max_chars, binary=_binary(fetched) if extra is not None else None,
+                           cached=0)
     except WebError as e:
         return e.as_dict()
 
@@ -176,7 +196,8 @@ def _render(url: str, client: WebClient, screenshot: bool):
                        timeout=client.limits.timeout, screenshot=screenshot)
 
 
-def _rendered_page(rendered, client: WebClient, store, owner, offset: int, max_chars: int) -> dict:
+def _rendered_page(rendered, client: WebClient, store, owner, offset: int, max_chars: int,
+                   key: str | None = None) -> dict:
     """A rendered DOM through the same conversion, store and windows as a static page."""
     from sluice.webtools.convert import html_to_markdown
     from sluice.webtools.render import screenshot_part
@@ -192,18 +213,49 @@ def _rendered_page(rendered, client: WebClient, store, owner, offset: int, max_c
         "needs_javascript": converted.needs_javascript, "truncated": truncated, "captured_at": now_rfc3339(),
         "content": converted.markdown, "hidden_chars": converted.hidden_chars,
         "markdown_truncated": converted.cut, "rendered": True, "render": rendered.stats,
+        "extra": {"rendered": True}, "reuse_key": key,
     }
     if truncated and len(rendered.html) > client.limits.text_bytes:
         source["read_cap"] = client.limits.text_bytes
     source.update(header_values(source))
     store = store or default_store()
     source["source_id"] = store.put(default_owner() if owner is None else owner, source)
-    result = page_result(source, offset, max_chars)
+    result = page_result(source, offset, max_chars, cached=0)
     shot = screenshot_part(rendered)
     if shot is not None:
         result["screenshot"] = {k: v for k, v in shot.items() if k != "data"}
         result["screenshot_data"] = shot["data"]
     return result
+
+
+DEFAULT_REUSE_SECONDS = 300.0
+
+
+def reuse_seconds(env: dict | None = None) -> float:
+    """SLUICE_WEB_REUSE: for how long a fetch returns the owner's stored
+    source of the same URL instead of fetching again (a duration, `5m` by
+    default; 0 turns reuse off)."""
+    raw = ((os.environ if env is None else env).get("SLUICE_WEB_REUSE") or "").strip()
+    if not raw:
+        return DEFAULT_REUSE_SECONDS
+    try:
+        return parse_duration(raw, allow_zero=True)
+    except ValueError as e:
+        raise WebError("web_bad_argument", f"SLUICE_WEB_REUSE: {clean(e, 200)} (0 turns reuse off)") from None
+
+
+def reuse_key(url, *, rendered: bool) -> str | None:
+    """What a repeat fetch is matched on: the URL as it would be requested
+    (scheme and host lower-case, the default port dropped, the host
+    canonical; no fragment) and whether it was rendered. None when the URL
+    would not be requested at all (fetch then says why)."""
+    if not isinstance(url, str) or len(url) > MAX_URL_CHARS:
+        return None
+    try:
+        target = request_url(url.strip())
+    except WebError:
+        return None
+    return f"{'rendered' if rendered else 'plain'} {target.copy_with(fragment=None)}"
 
 
 def source_read(source_id: str, offset: int = 0, max_chars: int = DEFAULT_MAX_CHARS, *,
@@ -231,9 +283,12 @@ def header_values(r: dict) -> dict:
     return out
 
 
-def page_result(source: dict, offset: int, max_chars: int, *, binary: dict | None = None) -> dict:
+def page_result(source: dict, offset: int, max_chars: int, *, binary: dict | None = None,
+                cached: float | None = None) -> dict:
     """One window of a stored source. A PDF's (kind "pdf") carries its page
-    counts and, from fetch, the PDF itself (`binary`: bytes, sha256, data)."""
+    counts and, from fetch, the PDF itself (`binary`: bytes, sha256, data).
+    From fetch, `cached` is 0 for a fresh capture, else the reuse window (s)
+    within which the stored source was returned instead (`cached: true`)."""
     source = {**source, **header_values(source)}
     try:
         w = window(source["content"], offset, max_chars)
@@ -258,13 +313,17 @@ def page_result(source: dict, offset: int, max_chars: int, *, binary: dict | Non
         "markdown_truncated": source.get("markdown_truncated", False),
         "needs_javascript": source["needs_javascript"],
         "hidden_chars": source.get("hidden_chars", 0),
-        "rendered": source.get("rendered", False),
+        "rendered": bool(source.get("rendered") or (source.get("extra") or {}).get("rendered")),
         "content": w["content"],
     }
     if source.get("render"):
         result["render"] = source["render"]
     if source.get("read_cap"):
         result["read_cap"] = source["read_cap"]
+    if cached is not None:
+        result["cached"] = bool(cached)
+        if cached:
+            result["reuse_seconds"] = cached
     if result["kind"] == "pdf":
         extra = source.get("extra") or {}
         result.update({name: extra.get(name) for name in ("pages", "pages_read", "text_incomplete")})
@@ -327,6 +386,9 @@ def page_text(r: dict) -> str:
     if r.get("hidden_chars"):
         lines.append(f"[{r['hidden_chars']:,} characters of text a reader cannot see (hidden by the page's markup "
                      "or its own styles) were left out]")
+    if r.get("cached"):
+        lines.append(f"[cached: this owner fetched it at {r['captured_at']}, less than {r['reuse_seconds']:g} s ago "
+                     "(SLUICE_WEB_REUSE), so no new request was made; this is the source as it was then]")
     if r["kind"] == "pdf":
         lines += pdf_notes(r)
     if r.get("render"):

@@ -80,6 +80,7 @@ _METADATA: dict[str, tuple[dict, tuple[str, ...]]] = {
                "truncated": _B, "store_truncated": _B, "markdown_truncated": _B, "needs_javascript": _B,
                "hidden_chars": _I, "read_cap": _I, "bytes": _I, "sha256": _S,
                "pages": _OPT_I, "pages_read": _I, "scanned": _B, "text_incomplete": _OPT_S, "rendered": _B,
+               "cached": _B, "reuse_seconds": {"type": "number"},
                "render": {"type": "object"}, "screenshot": {"type": "object"}},
               ("kind", "url", "final_url", "status")),
     "read": ({"kind": {"const": "page"}, **_FETCHED, "title": _OPT_S, "chars": _I, "sha256": _S,

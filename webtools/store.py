@@ -19,7 +19,9 @@ Bounded, counting every byte stored (content, title, URLs, type, owner, id):
   (10,000): only when several owners together are over it are the oldest
   sources of the owner holding the most evicted.
 A source has a `kind` ("page", or "pdf" for a PDF's text) and `extra`, its
-kind's metadata as JSON (a PDF's page counts; at most 4,096 characters).
+kind's metadata as JSON (a PDF's page counts; at most 4,096 characters),
+and `reuse_key`, the fetch that captured it (`recent` finds the owner's
+newest one within SLUICE_WEB_REUSE, so a repeat fetch is no request).
 The newest source always stays. Path: `SLUICE_SOURCES`, else
 `sources.sqlite3` in the user's data directory (platformdirs); `:memory:`
 keeps it in the process (tests).
@@ -47,7 +49,7 @@ DEFAULT_SOURCE_CAP = 2 * 1024 * 1024
 ROW_OVERHEAD = 64  # the numeric columns and SQLite's own bookkeeping, roughly
 # The most any field but content may take of a source (they are bounded
 # before they get here; this keeps the store's own bound whatever the caller).
-FIELD_CAPS = {"url": 8192, "final_url": 8192, "content_type": 256, "title": 1024, "captured_at": 64}
+FIELD_CAPS = {"url": 8192, "final_url": 8192, "content_type": 256, "title": 1024, "captured_at": 64, "reuse_key": 8256}
 
 # `truncated` column: bit flags, why the content is not the whole page
 # (MARKDOWN_CAP: the markdown reached its bound, webtools.convert).
@@ -69,6 +71,7 @@ CREATE TABLE IF NOT EXISTS sources (
     hidden_chars INTEGER NOT NULL DEFAULT 0,
     kind TEXT NOT NULL DEFAULT 'page',
     extra TEXT,
+    reuse_key TEXT,
     size INTEGER NOT NULL,
     content TEXT NOT NULL
 );
@@ -77,9 +80,10 @@ CREATE INDEX IF NOT EXISTS sources_owner_created ON sources (owner, created);
 """
 
 _FIELDS = ("url", "final_url", "status", "content_type", "title", "needs_javascript", "truncated", "captured_at", "content",
-           "hidden_chars", "kind", "extra")
+           "hidden_chars", "kind", "extra", "reuse_key")
 # Columns later versions added, with their definitions: an older store gains them on open.
-_ADDED_COLUMNS = {"hidden_chars": "INTEGER NOT NULL DEFAULT 0", "kind": "TEXT NOT NULL DEFAULT 'page'", "extra": "TEXT"}
+_ADDED_COLUMNS = {"hidden_chars": "INTEGER NOT NULL DEFAULT 0", "kind": "TEXT NOT NULL DEFAULT 'page'", "extra": "TEXT",
+                  "reuse_key": "TEXT"}
 EXTRA_CHARS = 4096  # a source's kind-specific metadata (`extra`, JSON: a PDF's page counts)
 
 
@@ -127,6 +131,7 @@ class SourceStore:
             for column, definition in _ADDED_COLUMNS.items():
                 if column not in columns:  # a store made by an older version
                     self._db.execute(f"ALTER TABLE sources ADD COLUMN {column} {definition}")
+            self._db.execute("CREATE INDEX IF NOT EXISTS sources_reuse ON sources (owner, reuse_key, created)")
             if self.path != ":memory:":
                 os.chmod(self.path, 0o600)
         except (OSError, sqlite3.Error) as e:
@@ -148,7 +153,7 @@ class SourceStore:
         size = row_size(source_id, owner, source) + len(extra or "")
         flags = (READ_CAP if source["truncated"] and not source.get("store_truncated") else 0) | (
             STORE_CAP if source.get("store_truncated") else 0) | (MARKDOWN_CAP if source.get("markdown_truncated") else 0)
-        values = {"hidden_chars": 0, "kind": "page", **source, "truncated": flags, "extra": extra}
+        values = {"hidden_chars": 0, "kind": "page", "reuse_key": None, **source, "truncated": flags, "extra": extra}
         now = time.time()
         try:
             with self._lock, self._db:
@@ -199,6 +204,21 @@ class SourceStore:
         except ValueError:
             source["extra"] = {}
         return source
+
+    def recent(self, owner: str, reuse_key: str, max_age: float) -> dict | None:
+        """The owner's newest source captured under `reuse_key` at most
+        `max_age` seconds ago (what fetch reuses), or None."""
+        if max_age <= 0:
+            return None
+        try:
+            with self._lock:
+                row = self._db.execute(
+                    "SELECT id FROM sources WHERE owner = ? AND reuse_key = ? AND created >= ? "
+                    "ORDER BY created DESC, rowid DESC LIMIT 1",
+                    (owner, reuse_key, time.time() - min(max_age, self.max_age))).fetchone()
+        except sqlite3.Error as e:
+            raise WebError("web_store_error", f"the source store {self.path} cannot be read ({e})") from None
+        return self.get(owner, row[0]) if row is not None else None
 
     def usage(self, owner: str | None = None) -> tuple[int, int]:
         """(sources, bytes) held, by one owner or by all."""

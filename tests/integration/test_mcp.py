@@ -206,7 +206,9 @@ def test_every_tool_over_mcp_equals_the_python_function(env, canaries):
 
     # fetch: the same but for its own source id, capture time and envelope nonce.
     mine = out["fetch"].structured_content
-    theirs = fetch(f"{BASE}/page", client=client, store=store, owner=owner)
+    fresh = WebClient(env={**env, "SLUICE_WEB_REUSE": "0"})  # a capture of its own, not the server's reused
+    theirs = fetch(f"{BASE}/page", client=fresh, store=store, owner=owner)
+    fresh.close()
     varying = ("source_id", "captured_at")
     assert {k: v for k, v in mine.items() if k not in varying} == {k: v for k, v in meta(theirs).items()
                                                                     if k not in varying}

@@ -446,6 +446,26 @@ def test_proxy_auth(sluice_factory, origin, tls_ca, tmp_path):
         assert ok.get("title") == "Tides & Moons", ok
 
 
+# ------------------------------------------------------------------ repeat fetches (issue 25 item 9)
+
+def test_a_repeat_fetch_is_the_stored_source_and_no_request(web, env, origin):
+    store = SourceStore(":memory:")
+    origin.requests.clear()
+    first = fetch(f"{BASE}/long.txt", 0, 100, client=web(), store=store, owner="a")
+    again = fetch(f"{BASE}/long.txt#again", 100, 100, client=web(), store=store, owner="a")
+    assert first["cached"] is False and again["cached"] is True and again["source_id"] == first["source_id"], again
+    assert again["captured_at"] == first["captured_at"] and again["content"] == LONG_TEXT[100:200]
+    assert "[cached: this owner fetched it at" in again["text"]
+    assert len(origin.seen("/long.txt")) == 1  # paging and re-reading cost no request
+    assert fetch(f"{BASE}/long.txt", client=web(), store=store, owner="b")["cached"] is False  # another owner's
+    off = WebClient(env={**env, "SLUICE_WEB_REUSE": "0"})
+    try:
+        assert fetch(f"{BASE}/long.txt", client=off, store=store, owner="a")["cached"] is False
+    finally:
+        off.close()
+    assert len(origin.seen("/long.txt")) == 3
+
+
 # ------------------------------------------------------------------ source ownership
 
 def test_sources_belong_to_their_owner(web):

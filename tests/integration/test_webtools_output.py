@@ -207,8 +207,9 @@ def test_sitemap_gzip_bomb_of_empty_elements_is_bounded(proxy, tmp_path):
     assert usage.ru_maxrss < 400 * 1024, f"peak RSS {usage.ru_maxrss // 1024} MiB (a tree of it took 1.1 GiB)"
 
 
-def test_store_share_one_owner_never_evicts_another(client, tmp_path):
+def test_store_share_one_owner_never_evicts_another(proxy, tmp_path):
     store = SourceStore(str(tmp_path / "s.sqlite3"), owner_bytes=350_000, max_bytes=10**9)
+    client = WebClient(env={"SLUICE_PROXY": proxy.proxy_url, "SLUICE_WEB_REUSE": "0"})  # 9 captures, not 1 reused
     theirs = fetch(f"{BASE}/long.txt", client=client, store=store, owner="bob")
     mine = [fetch(f"{BASE}/long.txt", client=client, store=store, owner="alice") for _ in range(8)]
     assert all(m["kind"] == "page" for m in mine)
