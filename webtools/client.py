@@ -86,7 +86,9 @@ MAX_REDIRECTS = 5
 MAX_URL_CHARS = 8192  # a URL argument or redirect target; longer ones are web_bad_url (httpx stops at 64 KiB)
 REDIRECT_STATUSES = frozenset({301, 302, 303, 307, 308})
 BOMB_RATIO = 100
-USER_AGENT = "sluice-webtools/0.1 (an AI agent's web tool; no JavaScript, no cookies)"
+# Names Sluice (the robots.txt product token, webtools.robots) and where to read about it.
+AGENT_URL = "https://pypi.org/project/sluice/"
+USER_AGENT = f"Sluice/0.1 (+{AGENT_URL}; an AI agent's web tool; no JavaScript, no cookies)"
 
 try:  # Python 3.14 has compression.zstd; 3.12/3.13 the backport (optional)
     from compression import zstd as _zstd  # type: ignore[import-not-found]
@@ -512,14 +514,20 @@ class WebClient:
 
     def get(self, url: str, *, classify: Classifier, headers: dict[str, str] | None = None,
             credentials: dict[str, str] | None = None, check: bool = True, method: str = "GET",
-            content: bytes | None = None) -> Fetched:
+            content: bytes | None = None, robots: bool = False, deadline: float | None = None) -> Fetched:
         """GET `url` through the proxy, following redirects (each checked),
         and read the body as `classify` plans it. `credentials` go only to
         the URL's own origin; `check=False` skips the first-line check (URLs
         the operator configured). `method`/`content` send another method
         with a body (search providers' POST APIs): a 307/308 repeats it, any
-        other redirect becomes a GET without the body."""
-        deadline = time.monotonic() + self.limits.timeout
+        other redirect becomes a GET without the body. `robots=True` (the
+        model's own requests) asks each hop's origin's robots.txt first
+        (webtools.robots; off with SLUICE_WEB_ROBOTS=ignore)."""
+        if deadline is None:
+            deadline = time.monotonic() + self.limits.timeout
+        from sluice.webtools import robots as robots_txt
+
+        obey = robots and robots_txt.mode(self.env) == "obey"
         if isinstance(url, str) and len(url) > MAX_URL_CHARS:
             raise WebError("web_bad_url", f"the URL is {len(url):,} characters long; at most {MAX_URL_CHARS:,} are "
                            "accepted", limit=MAX_URL_CHARS)
@@ -531,6 +539,10 @@ class WebClient:
             send = dict(headers or {})
             if credentials and origin_of(current) == start_origin:
                 send.update(credentials)
+            if obey:
+                refusal = robots_txt.verdict(self.robots_rules(current, deadline), current)
+                if refusal is not None:
+                    raise refusal
             result = self._one(url, current, send, classify, deadline, method, content)
             if isinstance(result, Fetched):
                 return result
@@ -551,6 +563,50 @@ class WebClient:
                                f"{self.limits.max_redirects} times (the last hop pointed to {clean(target.url, URL_CHARS)}); "
                                "not followed further", location=clean(target.url, URL_CHARS), redirects=hops - 1)
             current = redirect_target(current, target, check=check)
+
+    def check_robots(self, url: str) -> None:
+        """Raise web_robots_disallowed if `url`'s robots.txt disallows it
+        (the page a render loads; get(robots=True) checks its own hops)."""
+        from sluice.webtools import robots as robots_txt
+
+        if robots_txt.mode(self.env) != "obey":
+            return
+        current = check_url(url)
+        refusal = robots_txt.verdict(self.robots_rules(current, time.monotonic() + self.limits.timeout), current)
+        if refusal is not None:
+            raise refusal
+
+    def robots_rules(self, url: str, deadline: float):
+        """The robots.txt rules of `url`'s origin (webtools.robots), read
+        through the proxy unless cached, within ROBOTS_SECONDS of `deadline`."""
+        from sluice.webtools import robots as robots_txt
+
+        origin = origin_of(url)
+        rules = robots_txt.CACHE.get(origin)
+        if rules is not None:
+            return rules
+        robots_url = str(httpx.URL(url).copy_with(raw_path=b"/robots.txt", fragment=None))
+
+        def classify(f: Fetched) -> ReadPlan | None:
+            return ReadPlan(robots_txt.MAX_BYTES, truncate=True) if 200 <= f.status < 300 else None
+
+        now = time.monotonic()
+        try:
+            fetched = self.get(robots_url, classify=classify, deadline=min(deadline, now + robots_txt.ROBOTS_SECONDS))
+        except WebError:  # unreachable, refused by the proxy, too large, a redirect loop: no rules
+            fetched = None
+        if fetched is not None and 200 <= fetched.status < 300:
+            rules = robots_txt.Rules(robots_txt.parse(fetched.body), now + robots_txt.freshness(fetched.headers),
+                                     robots_url)
+        elif fetched is not None and 500 <= fetched.status < 600:
+            rules = robots_txt.Rules(None, now + robots_txt.SERVER_ERROR_SECONDS, robots_url,
+                                     server_error=fetched.status)
+        elif fetched is not None and 400 <= fetched.status < 500:  # unavailable: no rules, for its freshness
+            rules = robots_txt.Rules(None, now + robots_txt.freshness(fetched.headers), robots_url)
+        else:
+            rules = robots_txt.Rules(None, now + robots_txt.UNREACHABLE_SECONDS, robots_url)
+        robots_txt.CACHE.put(origin, rules)
+        return rules
 
     def _one(self, url: str, current: str, headers: dict, classify: Classifier, deadline: float,
              method: str = "GET", content: bytes | None = None) -> Fetched | tuple[str, int]:

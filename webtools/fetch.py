@@ -133,10 +133,11 @@ def fetch(url: str, offset: int = 0, max_chars: int = DEFAULT_MAX_CHARS, render:
                 if hit is not None:  # this owner fetched it moments ago: the stored source, no request
                     return page_result(hit, offset, max_chars, cached=reuse)
             if render:
+                client.check_robots(url)  # the page itself; its subrequests and the browser's redirects are not asked
                 rendered = _render(url, client, screenshot)
                 if rendered.is_html:
                     return _rendered_page(rendered, client, store, owner, offset, max_chars, key)
-            fetched = client.get(url, classify=_fetch_plan(client.limits))
+            fetched = client.get(url, classify=_fetch_plan(client.limits), robots=True)
         if fetched.mime in IMAGE_TYPES or fetched.mime == PDF_TYPE:
             check_signature(fetched.mime, fetched.body, fetched.final_url)  # an "image" of HTML is refused
         if fetched.mime in IMAGE_TYPES:

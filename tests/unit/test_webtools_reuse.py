@@ -21,7 +21,7 @@ class CountingClient:
     def __init__(self, env=None, body=b"the page, version 1", mime="text/plain"):
         self.env, self.body, self.mime, self.urls = env or {}, body, mime, []
 
-    def get(self, url, *, classify):
+    def get(self, url, *, classify, **kwargs):
         self.urls.append(url)
         return Fetched(url, url, 200, self.mime, self.mime, None, httpx.Headers(), self.body)
 
@@ -90,7 +90,7 @@ def test_a_failed_fetch_is_not_reused():
     store = SourceStore(":memory:")
 
     class Failing(CountingClient):
-        def get(self, url, *, classify):
+        def get(self, url, *, classify, **kwargs):
             self.urls.append(url)
             return classify(Fetched(url, url, 503, "text/plain", "text/plain", None, httpx.Headers(), b"down"))
 
