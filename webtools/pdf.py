@@ -141,6 +141,13 @@ def _limit(memory: int, cpu_seconds: int) -> None:
 
     resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
     resource.setrlimit(resource.RLIMIT_CPU, (cpu_seconds, cpu_seconds))
+    try:  # Linux: die with the parent (PR_SET_PDEATHSIG, SIGKILL), as the HTML worker does
+        import ctypes
+        import signal
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0)
+    except (OSError, AttributeError):
+        pass  # elsewhere RLIMIT_CPU still ends it
 
 
 def _paints_image(page) -> bool:
