@@ -40,8 +40,8 @@ from sluice.addons.audit import CREDENTIAL_META, AuditLog
 from sluice.addons.failsafe import fail_closed
 from sluice.addons.policy_source import LivePolicy, PolicySource
 from sluice.addons.refusals import refusal_response
-from sluice.addons.verdict import verdict_of
-from sluice.policy.credentials import CredentialHeader, apply_to, format_value, value_problem
+from sluice.addons.verdict import ADMISSION_META, verdict_of
+from sluice.policy.credentials import CredentialHeader, format_value, value_problem
 from sluice.policy.loader import MAX_SECRET_BYTES, FileRefused, read_regular_file
 from sluice.policy.model import Policy
 
@@ -67,12 +67,14 @@ class CredentialInjector:
         verdict = verdict_of(flow)
         if verdict is None or verdict.rules is None or not verdict.decision.allowed or verdict.cap is not None:
             return
-        host = verdict.decision.host if verdict.decision.host is not None else verdict.host
-        entry, refusal = apply_to(verdict.rules, host, flow.request.scheme)
-        if refusal is not None:
-            verdict.cut(refusal.with_note(verdict.rules.refusal_note))
+        admission = flow.metadata.get(ADMISSION_META)  # the gate chose the entry (sluice.admission)
+        if admission is None:
+            return
+        if admission.credential_refusal is not None:
+            verdict.cut(admission.credential_refusal)
             flow.response = refusal_response(verdict.cap)
             return
+        entry = admission.credential
         if entry is None:
             return
         live = self.source.current

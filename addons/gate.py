@@ -39,12 +39,10 @@
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 
 from mitmproxy import connection, http
 from mitmproxy.net import tls as mitm_tls
-from mitmproxy.net.http import url as mitm_url
 from mitmproxy.proxy import commands, events, layer, layers, mode_specs
 from mitmproxy.proxy.layers import modes
 from mitmproxy.proxy.layers.http import HTTPMode
@@ -59,22 +57,20 @@ from sluice.addons.identity import PROXY_AUTHORIZATION, ClientIdentifier, parse_
 from sluice.addons.own_host import OWN_HOST
 from sluice.addons.policy_source import LivePolicy, PolicySource
 from sluice.addons.refusals import refusal_response
-from sluice.addons.resolver import decide
-from sluice.addons.verdict import META, Verdict, verdict_of
+from sluice.addons.verdict import ADMISSION_META, META, Verdict, verdict_of
+from sluice.admission import (
+    Admission, Arrival, Kind, OpenTunnel, TunnelFacts, addresses_of, admit, readmit_dial, readmit_tunnel,
+    tunnel_client,
+)
 from sluice.dialer import Dialer, pinned_ip
-from sluice.policy.clients import rematch
-from sluice.policy.decide import Decision, Destination, check_address, check_answers, check_request, intercepts
-from sluice.policy.hosts import HostError, NameHost, parse_host
+from sluice.policy.clients import ClientIdentity
+from sluice.policy.decide import Decision
 from sluice.policy.model import Policy, Rules
 from sluice.policy.reasons import Reason, Refusal
 from sluice.policy.request_rules import split_target
 
 # SOCKS5 reply: version 5, REP 2 "connection not allowed by ruleset", IPv4 0.0.0.0:0.
 SOCKS5_NOT_ALLOWED = b"\x05\x02\x00\x01\x00\x00\x00\x00\x00\x00"
-
-# Hop-by-hop request headers never forwarded (RFC 9110 7.6.1), besides those
-# the Connection header names. Upgrade stays so WebSockets keep working.
-HOP_BY_HOP = ("Proxy-Connection", "Keep-Alive", "TE")
 
 
 class EgressGate:
@@ -123,7 +119,10 @@ class EgressGate:
             flow.response = None
             verdict.sent(400)
         elif verdict is not None and verdict.decision.allowed:
-            _strip_headers(flow.request, verdict.rules.strip_request_headers if verdict.rules else frozenset())
+            admission: Admission | None = flow.metadata.get(ADMISSION_META)
+            if admission is not None:
+                for name in admission.strip_headers:
+                    flow.request.headers.pop(name, None)
 
     @fail_closed()
     async def http_connect(self, flow: http.HTTPFlow) -> None:
@@ -131,12 +130,11 @@ class EgressGate:
             return
         tunnel = tunnel_of(flow.client_conn, flow.server_conn)
         if tunnel is not None:
-            # mitmproxy would treat the tunnel's origin as an upstream proxy
-            # and repoint the tunnel's server: a tunnel names one host only.
-            refusal = Refusal(Reason.HOST_MISMATCH, f"a CONNECT inside the tunnel to {tunnel.host} is not allowed; open a new tunnel from the proxy")
-            flow.metadata[META] = Verdict(tunnel.host, tunnel.port, Decision(False, None, refusal, port=tunnel.port), tunnel.profile, None)
+            admission = await admit(self.live().policy, tunnel_client(self.live().policy, tunnel.profile),
+                                    _inside_arrival(flow, tunnel), self.live().resolver)
+            flow.metadata[META] = Verdict(tunnel.host, tunnel.port, admission.decision, tunnel.profile, None)
             _inside(flow, tunnel)
-            flow.response = refusal_response(refusal.with_note(tunnel.rules.refusal_note) if tunnel.rules else refusal)
+            flow.response = refusal_response(admission.decision.refusal)
             return
         await self._gate_http(flow, connect=True)
 
@@ -145,22 +143,17 @@ class EgressGate:
         live = self.live()  # one policy snapshot for the whole decision
         authorization = request.headers.pop(PROXY_AUTHORIZATION, None)  # never forwarded
         client = await self.identity.match(live.policy, flow.client_conn, authorization)
-        intercept = connect and client.refusal is None and intercepts(client.rules, request.host)
-        dest = Destination(
-            host=request.host, port=request.port,
-            scheme=None if connect else request.scheme,
-            # An intercepted tunnel's requests are checked one by one, so the
-            # CONNECT itself is not a method the policy must list.
-            method=None if intercept else request.method,
-            target=None if connect else request.path,
+        arrival = Arrival(
+            Kind.CONNECT if connect else Kind.REQUEST, request.host, request.port,
+            scheme=request.scheme, method=request.method, host_header=request.host_header,
+            connection=request.headers.get("Connection", ""), target=None if connect else request.path,
         )
-        if client.refusal is not None:
-            decision = Decision(False, None, client.refusal, port=request.port)
-        else:
-            decision = _not_own_host(client.rules, live.policy, await decide(client.rules, dest, live.resolver))
-        verdict = Verdict(request.host, request.port, decision, client.profile,
-                          client.rules if client.refusal is None else None, intercept=intercept, method=dest.method)
+        admission = await admit(live.policy, client, arrival, live.resolver, OWN_HOST)
+        decision = admission.decision
+        verdict = Verdict(request.host, request.port, decision, client.profile, admission.rules,
+                          intercept=admission.intercept, method=admission.method)
         flow.metadata[META] = verdict
+        flow.metadata[ADMISSION_META] = admission
         verdict.user = _user(live.policy, authorization)
         verdict.identity = self.identity.identity(live.policy, flow.client_conn, authorization, client)
         if connect:
@@ -169,52 +162,38 @@ class EgressGate:
             flow.response = refusal_response(decision.refusal)
             return
         self.caps.watch_client(flow.client_conn, client.rules)
-        if not connect and request.host_header is not None and not _names_authority(request.host_header, request.host, request.port):
-            # Absolute-form with a Host header naming something else: RFC 9112
-            # 3.2.2 has the proxy replace it, so the origin sees the host the
-            # gate decided on (no fronting another virtual host on that IP).
-            request.host_header = _authority(request.scheme, request.host, request.port)
+        if admission.host_header is not None:
+            request.host_header = admission.host_header
         _forward_path(request, decision)
         # Pin: mitmproxy dials (and keys connection reuse on) request.host.
-        request.data.host = decision.address
-        self._approve(flow.client_conn, decision.address, request.port, client.rules)
+        request.data.host = admission.pin
+        self._approve(flow.client_conn, admission.pin, request.port, client.rules)
         if connect:
-            if intercept and isinstance(decision.host, NameHost):
-                flow.server_conn.sni = decision.host.name  # verify upstream against the name
+            if admission.sni is not None:
+                flow.server_conn.sni = admission.sni  # verify upstream against the name
             self._remember_tunnel(flow.client_conn, flow.server_conn, verdict)
 
     async def _gate_inside_tunnel(self, flow: http.HTTPFlow, tunnel: Verdict) -> None:
-        """A request inside an intercepted tunnel: it may only name the
-        tunnel's host (no domain fronting), and is checked like any request,
-        with the live policy's rules for the tunnel's client profile."""
+        """A request inside an intercepted tunnel, decided by admit() with the
+        live policy's rules for the tunnel's client profile."""
         request = flow.request
         tunnel.requests += 1
         live = self.live()
-        rules = _live_rules(live.policy, tunnel.profile)
-        refusal = _fronting(tunnel, request.host_header, flow.client_conn.sni, request.authority)
-        if refusal is None and rules is None:
-            refusal = Refusal(Reason.CLIENT_UNKNOWN, f"the tunnel's client profile {tunnel.profile!r} is no longer in the policy")
-        if refusal is not None:
-            decision = Decision(False, None, refusal, port=tunnel.port)
-        else:
-            dest = Destination(tunnel.host, tunnel.port, request.scheme, request.method, target=request.path)
-            decision = await decide(rules, dest, live.resolver)
-        flow.metadata[META] = Verdict(tunnel.host, tunnel.port, decision, tunnel.profile, rules, method=request.method)
+        admission = await admit(live.policy, tunnel_client(live.policy, tunnel.profile), _inside_arrival(flow, tunnel),
+                                live.resolver)
+        flow.metadata[META] = Verdict(tunnel.host, tunnel.port, admission.decision, tunnel.profile, admission.rules,
+                                      method=request.method)
+        flow.metadata[ADMISSION_META] = admission
         _inside(flow, tunnel)
-        if not decision.allowed:
-            flow.response = refusal_response(decision.refusal)
+        if not admission.allowed:
+            flow.response = refusal_response(admission.decision.refusal)
             return
-        _forward_path(request, decision)
-        # Stay on the tunnel's pinned address (it was validated at CONNECT).
-        request.data.host = tunnel.decision.address
-        if request.authority and not (request.is_http2 or request.is_http3):
-            # Absolute-form naming the tunnel's own host: send origin-form, so
-            # the origin can only ever see the tunnel's host.
+        _forward_path(request, admission.decision)
+        request.data.host = admission.pin
+        if admission.origin_form:
             request.authority = ""
-        if not request.host_header:
-            # No Host (HTTP/1.0, an empty one, absolute-form without one): name
-            # the tunnel's host, or a shared origin's default virtual host answers.
-            request.host_header = _authority(request.scheme, tunnel.host, tunnel.port)
+        if admission.host_header is not None:
+            request.host_header = admission.host_header
 
     # ---- SOCKS5 username/password ------------------------------------------
 
@@ -246,14 +225,10 @@ class EgressGate:
         if server.address is None or server.error:
             return
         host, port = server.address
-        if server.transport_protocol != "tcp":
-            self._refuse_dial(data, host, port, Decision(False, None, Refusal(
-                Reason.CLIENT_PROTOCOL_REFUSED, f"Sluice carries TCP only, not {server.transport_protocol}"), port=port), None)
-            return
-        approved_rules = self._approved_rules(data.client, host, port)
+        approved_rules = self._approved_rules(data.client, host, port) if server.transport_protocol == "tcp" else None
         if approved_rules is not None:
             # Decided with the host rules at request level; re-check the address.
-            refusal = check_address(approved_rules, host, port)
+            refusal = readmit_dial(approved_rules, host, port)
             if refusal is None:
                 return
             self._refuse_dial(data, host, port, Decision(False, None, refusal, port=port), None)
@@ -262,23 +237,22 @@ class EgressGate:
         # A SOCKS5 client that logged in is matched to its login's profile
         # (identity keeps it by client connection id); else by its address.
         client = await self.identity.match(live.policy, data.client, None)
-        if client.refusal is not None:
-            self._refuse_dial(data, host, port, Decision(False, None, client.refusal, port=port), None)
-            return
         # SOCKS5, transparent, or anything else that reached a dial.
-        decision = _not_own_host(client.rules, live.policy, await decide(client.rules, Destination(host=host, port=port), live.resolver))
+        admission = await admit(live.policy, client, Arrival(Kind.DIAL, host, port, transport=server.transport_protocol),
+                                live.resolver, OWN_HOST)
+        decision = admission.decision
         if not decision.allowed:
-            self._refuse_dial(data, host, port, decision, client.profile)
+            # A refused client (or transport) is audited without a profile.
+            self._refuse_dial(data, host, port, decision, client.profile if admission.rules is not None else None)
             return
-        intercept = intercepts(client.rules, host)
-        verdict = Verdict(host, port, decision, client.profile, client.rules, intercept=intercept)
+        verdict = Verdict(host, port, decision, client.profile, client.rules, intercept=admission.intercept)
         verdict.user = self.identity.socks5_user(data.client)
         verdict.identity = self.identity.identity(live.policy, data.client, None, client)
         self._remember_tunnel(data.client, server, verdict)
-        self._approve(data.client, decision.address, port, client.rules)
-        server.address = (decision.address, port)  # pin
-        if intercept and isinstance(decision.host, NameHost):
-            server.sni = decision.host.name
+        self._approve(data.client, admission.pin, port, client.rules)
+        server.address = (admission.pin, port)  # pin
+        if admission.sni is not None:
+            server.sni = admission.sni
         self.caps.watch_client(data.client, client.rules)
 
     def _refuse_dial(self, data: ServerConnectionHookData, host: str, port: int, decision: Decision, profile: str | None) -> None:
@@ -446,120 +420,34 @@ def _inside(flow: http.HTTPFlow, tunnel: Verdict) -> None:
     verdict.user, verdict.connect_id, verdict.identity = tunnel.user, tunnel.connect_id, tunnel.identity
 
 
-def _same_host(a: str, b: str) -> bool:
-    try:
-        return parse_host(a) == parse_host(b)
-    except HostError:
-        return False
-
-
-def _fronting(tunnel: Verdict, host_header: str | None, sni: str | None, authority: str = "") -> Refusal | None:
-    """Domain fronting inside an intercepted tunnel: an SNI, a Host header,
-    or a request target authority (absolute-form, or HTTP/2 `:authority`)
-    that names another host than the CONNECT target."""
-    if sni and not _same_host(sni, tunnel.host):
-        return Refusal(Reason.HOST_MISMATCH, f"the TLS server name {_short(sni)!r} is not the tunnel's host {tunnel.host}")
-    for what, value in (("Host header", host_header), ("request target", authority)):
-        if not value:
-            continue
-        try:
-            named, _ = mitm_url.parse_authority(value, check=True)
-        except ValueError:
-            named = value
-        if not _same_host(named, tunnel.host):
-            return Refusal(Reason.HOST_MISMATCH, f"the {what} {_short(value)!r} is not the tunnel's host {tunnel.host}")
-    return None
-
-
-def _names_authority(host_header: str, host: str, port: int) -> bool:
-    try:
-        named, named_port = mitm_url.parse_authority(host_header, check=True)
-    except ValueError:
-        return False
-    return _same_host(named, host) and (named_port is None or named_port == port)
-
-
-def _authority(scheme: str, host: str, port: int) -> str:
-    shown = f"[{host}]" if ":" in host else host
-    return shown if port == {"http": 80, "https": 443}.get(scheme) else f"{shown}:{port}"
-
-
-def _short(text: str, limit: int = 80) -> str:
-    return text if len(text) <= limit else text[:limit] + "…"
-
-
-def _live_rules(policy: Policy, profile: str | None) -> Rules | None:
-    """The current rules for a client profile named when its tunnel opened
-    (None if the profile is gone): identity is kept, rules are live."""
-    if profile is None:
-        return None if policy.require_client else policy.rules
-    for candidate in policy.clients:
-        if candidate.name == profile:
-            return candidate.rules
-    return None
-
-
-def _strip_headers(request: http.Request, extra: frozenset[str]) -> None:
-    connection_tokens = [t.strip() for t in request.headers.get("Connection", "").split(",") if t.strip()]
-    for token in connection_tokens:
-        if token.lower() not in ("close", "keep-alive", "upgrade"):
-            request.headers.pop(token, None)
-    for name in HOP_BY_HOP:
-        request.headers.pop(name, None)
-    for name in extra:
-        request.headers.pop(name, None)
-
-
-def _not_own_host(rules: Rules, policy: Policy, decision: Decision) -> Decision:
-    """An allowed destination at one of the proxy's own host's addresses
-    (addons/own_host.py) is refused `proxy_loop` instead, before any dial."""
-    if not decision.allowed or decision.address is None:
-        return decision
-    refusal = OWN_HOST.refusal(rules, policy.proxy_addresses, decision.addresses or (decision.address,), decision.port)
-    if refusal is None:
-        return decision
-    return Decision(False, decision.host, refusal.with_note(rules.refusal_note), addresses=decision.addresses,
-                    port=decision.port)
+def _inside_arrival(flow: http.HTTPFlow, tunnel: Verdict) -> Arrival:
+    """A request (or a CONNECT) inside an intercepted tunnel, as plain data."""
+    request = flow.request
+    return Arrival(
+        Kind.INSIDE, tunnel.host, tunnel.port, scheme=request.scheme, method=request.method,
+        host_header=request.host_header, sni=flow.client_conn.sni, authority=request.authority,
+        multiplexed=request.is_http2 or request.is_http3, connection=request.headers.get("Connection", ""),
+        target=request.path,
+        tunnel=TunnelFacts(tunnel.host, tunnel.port, tunnel.decision.address,
+                           tunnel.rules.refusal_note if tunnel.rules is not None else None),
+    )
 
 
 def redecide(policy: Policy, tunnel: Verdict) -> Refusal | None:
-    """After a reload, for an open tunnel or pipe: its client matched again
-    (`rematch`: the user it proved to be, or its source address) and the
-    tunnel decided with that profile's rules. Allowed: the tunnel now belongs
-    to that profile (its requests, credentials and limits follow it). Else
-    the refusal (the caller closes it `tunnel_revoked`)."""
-    if tunnel.identity is None:
-        return still_allowed(policy, tunnel)
-    match = rematch(policy, tunnel.identity)
-    if match.refusal is not None:
-        return dataclasses.replace(match.refusal, detail=f"its client matches no client profile now: {match.refusal.detail}")
-    refusal = _allows(match.rules, tunnel)
-    if refusal is None and tunnel.decision.address is not None:
-        refusal = OWN_HOST.refusal(match.rules, policy.proxy_addresses, tunnel.decision.addresses or (tunnel.decision.address,),
-                                   tunnel.port)
-    if refusal is None:
-        tunnel.profile, tunnel.rules = match.profile, match.rules
-    return refusal
+    """After a reload, for an open tunnel or pipe: admission.readmit_tunnel
+    over its plain facts. Allowed: the tunnel now belongs to the profile its
+    client matches now (its requests, credentials and limits follow it).
+    Else the refusal (the caller closes it `tunnel_revoked`)."""
+    outcome = readmit_tunnel(policy, open_tunnel(tunnel), OWN_HOST)
+    if outcome.match is not None:
+        tunnel.profile, tunnel.rules = outcome.match.profile, outcome.match.rules
+    return outcome.refusal
 
 
-def still_allowed(policy: Policy, tunnel: Verdict) -> Refusal | None:
-    """Would the policy now allow this open tunnel for the profile it belongs
-    to? Pure: the addresses are the ones it was validated and pinned with, no
-    new lookup."""
-    rules = _live_rules(policy, tunnel.profile)
-    if rules is None:
-        return Refusal(Reason.CLIENT_UNKNOWN, f"the client profile {tunnel.profile!r} is no longer in the policy")
-    return _allows(rules, tunnel)
-
-
-def _allows(rules: Rules, tunnel: Verdict) -> Refusal | None:
-    # The same question the tunnel was opened with (a CONNECT's method too).
-    decision = check_request(rules, Destination(tunnel.host, tunnel.port, method=tunnel.method))
-    if decision.needs_dns:
-        decision = check_answers(rules, decision, tunnel.decision.addresses or (tunnel.decision.address,))
-    if decision.allowed:
-        return None
-    return decision.refusal
+def open_tunnel(tunnel: Verdict) -> OpenTunnel:
+    """An open tunnel's facts, as a reload re-decides them."""
+    identity = tunnel.identity if isinstance(tunnel.identity, ClientIdentity) else None
+    return OpenTunnel(tunnel.host, tunnel.port, tunnel.method, addresses_of(tunnel.decision), tunnel.profile, identity)
 
 
 class _RefuseClient(layer.Layer):

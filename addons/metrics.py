@@ -6,7 +6,7 @@ requests and tunnels by decision, reason and profile, bytes, caps tripped,
 policy reloads. What the audit log does not see is measured where it
 happens, at no cost when metrics are off:
 
-- decision time and DNS lookups: the resolver's hook (addons/resolver.py
+- decision time and DNS lookups: the resolver's hook (sluice/resolver.py
   `set_observer`): each whole decision, each upstream lookup, cache hits and
   misses;
 - upstream connect time: this addon's `server_connected` hook;
@@ -36,7 +36,7 @@ from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram, Pro
                                multiprocess)
 from prometheus_client.metrics_core import Metric
 
-from sluice.addons import resolver
+from sluice import resolver
 from sluice.policy.reasons import Reason
 
 logger = logging.getLogger("sluice.metrics")
@@ -94,7 +94,7 @@ def initialise_known_labels() -> None:
 
 
 class ResolverMetrics:
-    """The resolver's observer (addons/resolver.py): decision and DNS timings."""
+    """The resolver's observer (sluice/resolver.py): decision and DNS timings."""
 
     def decision(self, seconds: float) -> None:
         DECISION.observe(seconds)

@@ -31,7 +31,7 @@ from typing import Callable
 from mitmproxy import ctx, exceptions
 
 from sluice.addons.audit import AuditLog
-from sluice.addons.resolver import PinnedResolver
+from sluice.resolver import PinnedResolver
 from sluice.policy.loader import PolicyInvalid, read_policy_file
 from sluice.policy.model import Policy
 

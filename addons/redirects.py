@@ -42,7 +42,7 @@ from sluice.addons import connections
 from sluice.addons.failsafe import fail_closed
 from sluice.addons.policy_source import PolicySource
 from sluice.addons.refusals import RefusalBody, answer_now, plain_http1, refusal_in_place_of
-from sluice.addons.resolver import decide
+from sluice.resolver import resolve_and_decide
 from sluice.addons.verdict import verdict_of
 from sluice.policy.decide import Destination
 from sluice.policy.reasons import Reason, Refusal
@@ -74,7 +74,7 @@ class RedirectGuard:
         else:
             method = flow.request.method if response.status_code in METHOD_KEEPING else "GET"
             dest = Destination(target.host, target.port, target.scheme, method, target.has_credentials)
-            decision = await decide(verdict.rules, dest, self.source.current.resolver)
+            decision = await resolve_and_decide(verdict.rules, dest, self.source.current.resolver)
             if decision.allowed:
                 return
             refusal = Refusal(

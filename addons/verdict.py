@@ -49,6 +49,9 @@ from sluice.policy.model import Limits, Rules
 from sluice.policy.reasons import Refusal
 
 META = "sluice"
+# The gate's sluice.admission.Admission for the flow: what it decided to do
+# with the request (pin, header strips, credential), read by the addons that do it.
+ADMISSION_META = "sluice.admission"
 
 
 @dataclass(slots=True)

@@ -160,7 +160,7 @@ def _ours(file: str, *names: str) -> bool:
 CATEGORIES = [
     ("Sluice: gate and policy (addons/gate.py, identity, verdict, refusals; policy/)",
      lambda f, n: f.startswith(OWN[1]) or _ours(f, "gate.py", "identity.py", "verdict.py", "refusals.py", "failsafe.py")),
-    ("Sluice: DNS cache and resolver (addons/resolver.py, dnspython)",
+    ("Sluice: DNS cache and resolver (sluice/resolver.py, dnspython)",
      lambda f, n: _ours(f, "resolver.py") or (_SITE + "dns" + os.sep) in f),
     ("Sluice: caps, audit log, policy source, connections (rest of addons/)", lambda f, n: f.startswith(OWN[0])),
     ("mitmproxy: hook dispatch (addonmanager.py, hooks.py)",

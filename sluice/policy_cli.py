@@ -7,7 +7,7 @@ Exit codes, for every subcommand:
     2  usage error: a bad URL, --resolve, --client or --method (one line, never a traceback)
     3  `explain` only: the request would be refused
 
-`explain` and `test` decide through the same `addons.resolver.decide()` the
+`explain` and `test` decide through the same `sluice.admission.admit()` the
 proxy's gate uses, so what they print is what the proxy would do. They judge
 a URL as the proxy meets it: an `http://` URL is one request, decided with its
 method; an `https://` URL is a CONNECT tunnel, decided by host, port and
@@ -33,10 +33,10 @@ from typing import Any
 
 import yaml
 
-from sluice.addons.resolver import DnsFailure, PinnedResolver, Resolution, StaticResolver, decide
-from sluice.policy.clients import match_client
-from sluice.policy.credentials import Credential, apply_to, pattern_intercepted
-from sluice.policy.decide import Decision, Destination, intercepts
+from sluice.admission import Admission, Arrival, Kind, TunnelFacts, admit, tunnel_client
+from sluice.policy.clients import ClientMatch, match_client
+from sluice.policy.credentials import Credential, pattern_intercepted
+from sluice.policy.decide import Decision, Destination
 from sluice.policy.hosts import HostError, IPHost, internal_name, parse_host
 from sluice.policy.loader import (
     PolicyInvalid,
@@ -53,6 +53,7 @@ from sluice.policy.model import STANDARD_METHODS, DnsSettings, Policy, Rules
 from sluice.policy.reasons import Reason
 from sluice.policy.request_rules import rule_warnings
 from sluice.policy.urls import split_url
+from sluice.resolver import DnsFailure, NameResolver, PinnedResolver, Resolution, StaticResolver
 
 EXIT_OK = 0
 EXIT_INVALID = 1  # invalid policy or cases file; failed test cases
@@ -526,47 +527,45 @@ class Judgement:
     credential: Credential | None = None  # the credentials entry whose headers the proxy would set
 
 
-def _intercepted(rules: Rules, host: str) -> bool:
-    """The gate's own test (policy.decide.intercepts) of whether a CONNECT to `host` is intercepted."""
-    return intercepts(rules, host)
-
-
-async def judge(policy: Policy, client: str | None, dest: Destination, resolver) -> Judgement:
+async def judge(policy: Policy, client: str | None, dest: Destination, resolver: NameResolver) -> Judgement:
     """The decision the gate would make for this client (a profile by name,
-    or an unmatched client when None) and URL, made as the gate meets it:
+    or an unmatched client when None) and URL, made as the gate meets it,
+    by the gate's own sluice.admission.admit():
 
-    - an http:// URL is one request, decided with its method (gate: `_gate_http`);
+    - an http:// URL is one request, decided with its method (an arrival of
+      kind REQUEST);
     - an https:// URL (or `--method CONNECT`) is first a CONNECT, decided
       without a scheme. A host the client does not intercept: the CONNECT is
       the whole decision (method "CONNECT", which `methods` must list), and
       the tunnel is carried raw, its method and headers never seen. An
       intercepted host: the CONNECT is decided without a method, then the
-      request inside with its method and scheme https (`_gate_inside_tunnel`).
-    Every decision is `addons.resolver.decide`, as in the gate."""
+      request inside with its method and scheme https (kind INSIDE).
+    The proxy's own host is known here by the policy's `proxy_addresses`
+    only (the proxy adds the addresses it listens at)."""
     if client is None:
-        match = match_client(policy, None)  # matched no profile: top level, or 407 under require_client
-        rules, profile, refusal = match.rules, match.profile, match.refusal
+        identity = match_client(policy, None)  # matched no profile: top level, or 407 under require_client
     else:
-        rules, profile, refusal = find_profile(policy, client), client, None
+        identity = ClientMatch(find_profile(policy, client), client)
+    profile = identity.profile
     method = dest.method or "GET"
     scheme = (dest.scheme or "").lower()
     shown_host = f"[{dest.host}]" if ":" in dest.host and not dest.host.startswith("[") else dest.host
     authority = f"{shown_host}:{dest.port}"
-    refused = Decision(False, None, refusal, port=dest.port) if refusal is not None else None
 
     if scheme != "https" and method != "CONNECT":
-        decision = refused or await decide(rules, dest, resolver)
-        decision, credential = _credential(rules, decision, dest.host, scheme or "http")
+        request = Arrival(Kind.REQUEST, dest.host, dest.port, scheme=dest.scheme, method=method,
+                          has_credentials=dest.has_credentials, target=dest.target)
+        admission = await admit(policy, identity, request, resolver)
+        decision = _with_credential_refusal(admission)
         note = f"request: the proxy sees this {method} request whole and decides it with its method"
-        return Judgement(decision, profile, "request", note, authority, method, credential)
+        return Judgement(decision, profile, "request", note, authority, method, admission.credential)
 
-    intercept = refusal is None and _intercepted(rules, dest.host)
     # A CONNECT names host:port only: no scheme, no path, no user:password@.
-    connect = Destination(dest.host, dest.port, scheme=None, method=None if intercept else "CONNECT")
-    decision = refused or await decide(rules, connect, resolver)
+    tunnel = await admit(policy, identity, Arrival(Kind.CONNECT, dest.host, dest.port, method="CONNECT"), resolver)
+    decision = tunnel.decision
     unseen = (" The URL's user:password@ is not seen either: a client sends it inside the tunnel."
               if dest.has_credentials else "")
-    if not intercept:
+    if not tunnel.intercept:
         inside = "the requests inside" if method == "CONNECT" else f"the {method} inside"
         note = (f"{TUNNEL}: the proxy sees only CONNECT {authority} (the host is not under `intercept`) and decides it "
                 f"by host, port and address; {inside}, its path and headers are never seen. Add the host to "
@@ -579,26 +578,27 @@ async def judge(policy: Policy, client: str | None, dest: Destination, resolver)
         note = (f"{INTERCEPTED}: CONNECT {authority} is allowed without a method check; every request inside the "
                 "tunnel is then decided on its own, with its method.")
         return Judgement(decision, profile, "intercepted", note, authority, method)
-    inner = await decide(rules, Destination(dest.host, dest.port, "https", method, target=dest.target), resolver)
-    if inner.allowed:
+    inside_arrival = Arrival(Kind.INSIDE, dest.host, dest.port, scheme="https", method=method, target=dest.target,
+                             tunnel=TunnelFacts(dest.host, dest.port, tunnel.pin, tunnel.rules.refusal_note
+                                                if tunnel.rules is not None else None))
+    inner = await admit(policy, tunnel_client(policy, profile), inside_arrival, resolver)
+    inner_decision = inner.decision
+    if inner_decision.allowed:
         # Requests inside stay on the address the tunnel was validated and pinned with.
-        inner = replace(inner, address=decision.address, addresses=decision.addresses)
-    inner, credential = _credential(rules, inner, dest.host, "https")
+        inner_decision = replace(inner_decision, address=decision.address, addresses=decision.addresses)
     note = (f"{INTERCEPTED}: CONNECT {authority} is allowed without a method check; Sluice terminates TLS (the client "
             f"must trust its CA, `sluice ca`) and decides the {method} request inside on its own.{unseen}")
-    return Judgement(inner, profile, "intercepted", note, authority, method, credential)
+    return Judgement(_with_credential_refusal(inner._replace(decision=inner_decision)), profile, "intercepted", note,
+                     authority, method, inner.credential)
 
 
-def _credential(rules: Rules, decision: Decision, host: str, scheme: str) -> tuple[Decision, Credential | None]:
-    """After an allowed request decision, what the credential injector does
-    (addons/credentials.py, the same pure policy.credentials.apply_to): the
-    entry whose headers it sets, or a `credential_plain_http` refusal."""
-    if not decision.allowed:
-        return decision, None
-    entry, refusal = apply_to(rules, decision.host if decision.host is not None else host, scheme)
-    if refusal is not None:
-        return replace(decision, allowed=False, refusal=refusal.with_note(rules.refusal_note), would_refuse=None), None
-    return decision, entry
+def _with_credential_refusal(admission: Admission) -> Decision:
+    """The decision as the client meets it: a request refused
+    `credential_plain_http` by the credential injector is refused."""
+    refusal = admission.credential_refusal
+    if refusal is None:
+        return admission.decision
+    return replace(admission.decision, allowed=False, refusal=refusal, would_refuse=None)
 
 
 def decision_json(judgement: Judgement, dest: Destination) -> dict[str, Any]:

@@ -53,7 +53,7 @@ from urllib.parse import urlsplit
 import pytest
 import yaml
 
-from sluice.addons.resolver import NEGATIVE_TTL
+from sluice.resolver import NEGATIVE_TTL
 from harness.clients import Response, _Reader, read_response
 from harness.sluice import DNS_SERVER
 from sluice.policy.hosts import HostError, IPHost, parse_host

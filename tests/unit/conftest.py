@@ -17,7 +17,7 @@ def no_network(monkeypatch):
     async def refuse(self, name):
         raise AssertionError(f"a unit test tried a live DNS lookup of {name!r}")
 
-    monkeypatch.setattr("sluice.addons.resolver.PinnedResolver.resolve", refuse)
+    monkeypatch.setattr("sluice.resolver.PinnedResolver.resolve", refuse)
     monkeypatch.setattr("sluice.policy_cli.LiveResolver.resolve", refuse)
 
 

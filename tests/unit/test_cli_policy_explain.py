@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from sluice.addons.resolver import DnsFailure, Resolution
+from sluice.resolver import DnsFailure, Resolution
 
 POLICY = """\
 version: 1

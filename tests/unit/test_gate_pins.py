@@ -9,11 +9,12 @@ import asyncio
 import pytest
 from mitmproxy import connection
 
-from sluice import dialer
+from sluice import admission, dialer
 from sluice.addons import gate
-from sluice.addons.gate import EgressGate, _fronting, _live_rules, still_allowed
+from sluice.addons.gate import EgressGate, open_tunnel
 from sluice.dialer import pinned_ip as _canonical_ip
 from sluice.addons.verdict import Verdict
+from sluice.admission import live_rules as _live_rules
 from sluice.policy.decide import Decision
 from sluice.policy.loader import load_policy_text
 from sluice.policy.model import Rules
@@ -132,6 +133,15 @@ def policy(text: str):
     return load_policy_text(text, "p.yaml")
 
 
+def still_allowed(policy, tunnel: Verdict):
+    """The reload check on an open tunnel, over the facts the gate keeps of it."""
+    return admission.still_allowed(policy, open_tunnel(tunnel))
+
+
+def _fronting(tunnel: Verdict, host_header, sni, authority):
+    return admission.fronting(tunnel.host, host_header, sni, authority)
+
+
 def test_a_reload_refuses_a_tunnel_by_host_port_and_pinned_address_without_dns():
     old = _tunnel("public.example", 443, "8.8.8.8")
     assert still_allowed(policy("version: 1\n"), old) is None
@@ -194,14 +204,14 @@ def test_the_dial_guard_is_installed_when_the_gate_loads(monkeypatch):
     ("not a host", "a.example", 80, False),
 ])
 def test_a_host_header_names_the_requests_authority_or_is_replaced(host_header, host, port, same):
-    assert gate._names_authority(host_header, host, port) is same
+    assert admission.names_authority(host_header, host, port) is same
 
 
 def test_replacement_host_headers_are_well_formed():
-    assert gate._authority("http", "a.example", 80) == "a.example"
-    assert gate._authority("http", "a.example", 8080) == "a.example:8080"
-    assert gate._authority("https", "2606:4700:4700::1111", 443) == "[2606:4700:4700::1111]"
-    assert gate._authority("https", "2606:4700:4700::1111", 8443) == "[2606:4700:4700::1111]:8443"
+    assert admission.authority_of("http", "a.example", 80) == "a.example"
+    assert admission.authority_of("http", "a.example", 8080) == "a.example:8080"
+    assert admission.authority_of("https", "2606:4700:4700::1111", 443) == "[2606:4700:4700::1111]"
+    assert admission.authority_of("https", "2606:4700:4700::1111", 8443) == "[2606:4700:4700::1111]:8443"
 
 
 def test_a_connect_tunnel_is_re_decided_with_its_method():

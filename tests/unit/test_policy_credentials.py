@@ -227,7 +227,7 @@ def test_load_policy_file_reads_files_relative_to_the_policy_and_the_environment
 def test_explain_and_check_name_the_entry_never_the_value():
     import asyncio
 
-    from sluice.addons.resolver import StaticResolver
+    from sluice.resolver import StaticResolver
     from sluice.policy_cli import decision_json, judge, parse_url, summarise
 
     policy = load()

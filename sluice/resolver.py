@@ -12,6 +12,7 @@ import asyncio
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, replace
+from typing import Protocol
 
 import dns.asyncresolver
 import dns.exception
@@ -22,7 +23,7 @@ import dns.rdatatype
 import dns.resolver
 
 from sluice.policy.decide import Decision, Destination, check_answers, check_request
-from sluice.policy.hosts import internal_name
+from sluice.policy.hosts import NameHost, internal_name
 from sluice.policy.model import DnsSettings, Rules
 from sluice.policy.reasons import DNS_NO_NAME_ADVICE, DNS_TRANSIENT_ADVICE, Reason, Refusal
 
@@ -32,10 +33,16 @@ NEGATIVE_TTL = 5.0  # how long "no such name" is remembered
 
 # Told of each decision's time, each cache hit or miss and each upstream
 # lookup (addons/metrics.py ResolverMetrics); None: nothing is measured.
-_observer = None
+class Observer(Protocol):
+    def decision(self, seconds: float) -> None: ...
+    def cache(self, hit: bool) -> None: ...
+    def lookup(self, seconds: float, ok: bool) -> None: ...
 
 
-def set_observer(observer) -> None:
+_observer: Observer | None = None
+
+
+def set_observer(observer: Observer | None) -> None:
     global _observer
     _observer = observer
 
@@ -62,6 +69,13 @@ class DnsFailure(Exception):
         self.cacheable = cacheable
         self.transient = transient
         self.cnames = cnames
+
+
+class NameResolver(Protocol):
+    """What a decision resolves names with: PinnedResolver (the proxy's),
+    StaticResolver (a fixed table), or the CLI's live one."""
+
+    async def resolve(self, name: str) -> Resolution: ...
 
 
 class PinnedResolver:
@@ -187,6 +201,9 @@ class PinnedResolver:
                                  transient=True, cnames=tuple(chain)) from None
             chaining = _add_chain(chain, answer.response)
             if answer.rrset is not None:
+                if chaining is None:  # an answer whose CNAMEs cannot be followed: fail closed
+                    raise DnsFailure(f"the DNS answer for {_via(name, chain)} could not be read",
+                                     transient=True, cnames=tuple(chain))
                 addrs = [rdata.address for rdata in answer.rrset]
                 return addrs, chain, float(chaining.minimum_ttl)
             if answer.canonical_name == qname:
@@ -198,9 +215,11 @@ class PinnedResolver:
         raise DnsFailure(f"{name} has a CNAME chain longer than {MAX_CNAME_HOPS} hops")
 
 
-def _add_chain(chain: list[str], response: dns.message.Message):
+def _add_chain(chain: list[str], response: dns.message.Message) -> dns.message.ChainingResult | None:
     """Append the CNAME targets a response's answer passes through to `chain`;
     returns its ChainingResult (None if the response cannot be chained)."""
+    if not isinstance(response, dns.message.QueryMessage):
+        return None
     try:
         chaining = response.resolve_chaining()
     except dns.exception.DNSException:
@@ -231,9 +250,10 @@ class StaticResolver:
         return Resolution(tuple(addresses), (), 0.0)
 
 
-async def decide(rules: Rules, dest: Destination, resolver: PinnedResolver | StaticResolver) -> Decision:
+async def resolve_and_decide(rules: Rules, dest: Destination, resolver: NameResolver) -> Decision:
     """The whole decision for one destination: the pure checks, with the
-    lookup in between. The gate and `sluice policy explain` both use this.
+    lookup in between: every decision the gate, the redirect guard and
+    `sluice policy explain`/`test` make goes through it.
     A refusal carries the rules' `refusal_note`."""
     if _observer is None:
         return _noted(await _decide(rules, dest, resolver), rules)
@@ -243,10 +263,11 @@ async def decide(rules: Rules, dest: Destination, resolver: PinnedResolver | Sta
     return decision
 
 
-async def _decide(rules: Rules, dest: Destination, resolver: PinnedResolver | StaticResolver) -> Decision:
+async def _decide(rules: Rules, dest: Destination, resolver: NameResolver) -> Decision:
     decision = check_request(rules, dest)
     if not decision.needs_dns:
         return decision
+    assert isinstance(decision.host, NameHost), "only a name needs DNS"
     try:
         resolution = await resolver.resolve(decision.host.name)
     except DnsFailure as failure:
