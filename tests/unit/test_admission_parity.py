@@ -6,14 +6,17 @@ DNS table; the decisions (allowed, reason, pinned address) must agree."""
 from __future__ import annotations
 
 import asyncio
+import gc
 from types import SimpleNamespace
 
 import pytest
 from mitmproxy.proxy import mode_specs
 from mitmproxy.test import taddons, tflow, tutils
 
+from sluice import connstate
 from sluice.addons.audit import AuditLog
 from sluice.addons.caps import Caps
+from sluice.addons.conn_release import ConnRelease
 from sluice.addons.credentials import CredentialInjector
 from sluice.addons.gate import EgressGate, tunnel_of
 from sluice.addons.verdict import verdict_of
@@ -79,6 +82,7 @@ class _Gate:
         self.caps = Caps(self.source, audit)
         self.gate = EgressGate(self.source, audit, self.caps)
         self.credentials = CredentialInjector(self.source, audit)
+        self.release = ConnRelease(audit)
 
 
 def _client(source: str):
@@ -89,11 +93,10 @@ def _client(source: str):
     return client
 
 
-async def _through_the_gate(proxy: _Gate, source: str, method: str, url: str):
+async def _through_the_gate(proxy: _Gate, client, method: str, url: str):
     """(allowed, reason, address) as the gate decides the URL: a request on
     the front door, or a CONNECT and then (intercepted) the request inside."""
     dest = parse_url(url, method)
-    client = _client(source)
     if dest.scheme == "http":
         flow = tflow.tflow(client_conn=client, req=tutils.treq(method=method.encode(), host=dest.host, port=dest.port,
                                                                scheme=b"http", authority=f"{dest.host}:{dest.port}".encode(),
@@ -139,10 +142,14 @@ def test_the_cli_and_the_gate_decide_every_url_alike(profile, source):
                 decision = judgement.decision
                 cli = (decision.allowed, decision.refusal.reason.value if decision.refusal else None,
                        decision.address if decision.allowed else None)
-                rows.append((method, url, cli, await _through_the_gate(proxy, source, method, url)))
+                client = _client(source)
+                rows.append((method, url, cli, await _through_the_gate(proxy, client, method, url)))
+                proxy.release.client_disconnected(client)  # as the proxy does: its state goes with it
         return rows
 
     rows = asyncio.run(run())
+    gc.collect()  # the flows' client connections, and with them their connection state (sluice/connstate.py)
+    assert connstate.count() == 0
     assert [(m, u, gate) for m, u, _, gate in rows] == [(m, u, cli) for m, u, cli, _ in rows]
     # The table covers allowed and refused, tunnels and interception, for each client.
     assert {cli[0] for *_, cli, _ in rows} == {True, False}
