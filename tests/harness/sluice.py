@@ -291,3 +291,26 @@ class SluiceProcess:
     def __repr__(self) -> str:
         return f"<SluiceProcess {self.name} {self.proxy_url} pid={self.proc.pid if self.proc else None}>"
 
+
+def ready_line_of(command: list[str], *, env: dict[str, str], cwd: Path | str, timeout: float = 60) -> str:
+    """Start a `sluice proxy` command line as it is (no harness options), wait
+    for its ready line, stop it, and return that line; fail with its stderr
+    if it never comes."""
+    proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True, env=env, cwd=cwd)
+    lines: list[str] = []
+    ready = threading.Event()
+
+    def read() -> None:
+        for line in proc.stderr:
+            lines.append(line)
+            if line.startswith(READY_PREFIX):
+                ready.set()
+
+    threading.Thread(target=read, daemon=True).start()
+    try:
+        assert ready.wait(timeout), "".join(lines)
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    return next(line for line in lines if line.startswith(READY_PREFIX))

@@ -17,7 +17,6 @@ import os
 import subprocess
 import sys
 import sysconfig
-import threading
 import zipfile
 from importlib import metadata
 from pathlib import Path
@@ -25,6 +24,7 @@ from pathlib import Path
 import pytest
 from packaging.utils import canonicalize_name
 
+from harness.sluice import ready_line_of
 from test_lock import AGENT_LOCK, LOCK, locked  # tests/unit is on the path (rootdir conftest)
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -117,22 +117,6 @@ def test_the_proxy_extra_installs_and_starts_on_the_starter_policy(wheel, tmp_pa
     bin_dir = fresh_env(tmp_path, LOCK, wheel)
     elsewhere = tmp_path / "work"
     elsewhere.mkdir()
-    proc = subprocess.Popen([str(bin_dir / "sluice"), "proxy", "--listen", "127.0.0.1:0", "--admin", "off"],
-                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            env={"PATH": f"{bin_dir}:/usr/bin:/bin", "HOME": str(elsewhere)}, cwd=elsewhere)
-    lines: list[str] = []
-    ready = threading.Event()
-
-    def read() -> None:
-        for line in proc.stderr:
-            lines.append(line)
-            if line.startswith("sluice: ready"):
-                ready.set()
-
-    threading.Thread(target=read, daemon=True).start()
-    try:
-        assert ready.wait(90), "".join(lines)
-    finally:
-        proc.terminate()
-        proc.wait(30)
-    assert "policy starter policy (any public host)" in next(x for x in lines if x.startswith("sluice: ready"))
+    line = ready_line_of([str(bin_dir / "sluice"), "proxy", "--listen", "127.0.0.1:0", "--admin", "off"],
+                         env={"PATH": f"{bin_dir}:/usr/bin:/bin", "HOME": str(elsewhere)}, cwd=elsewhere, timeout=90)
+    assert "policy starter policy (any public host)" in line

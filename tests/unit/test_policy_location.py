@@ -11,12 +11,12 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import threading
 import tomllib
 from pathlib import Path
 
 import pytest
 
+from harness.sluice import ready_line_of
 from sluice.policy_location import ENV, STARTER_LABEL, STARTER_NAME, locate, starter_path
 
 SLUICE = str(Path(sys.executable).parent / "sluice")
@@ -94,24 +94,7 @@ def test_init_writes_the_starter_and_keeps_an_existing_file(tmp_path):
 
 @pytest.mark.skipif(os.path.lexists("/etc/sluice/policy.yaml"), reason="this machine has /etc/sluice/policy.yaml")
 def test_the_proxy_without_a_policy_loads_the_starter_and_says_so(tmp_path):
-    proc = subprocess.Popen([SLUICE, "proxy", "--listen", "127.0.0.1:0", "--admin", "127.0.0.1:0"],
-                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}, cwd=tmp_path)
-    lines: list[str] = []
-    ready = threading.Event()
-
-    def read() -> None:
-        for line in proc.stderr:
-            lines.append(line)
-            if line.startswith("sluice: ready"):
-                ready.set()
-
-    threading.Thread(target=read, daemon=True).start()
-    try:
-        assert ready.wait(60), "".join(lines)
-    finally:
-        proc.terminate()
-        proc.wait(30)
-    line = next(line for line in lines if line.startswith("sluice: ready"))
+    line = ready_line_of([SLUICE, "proxy", "--listen", "127.0.0.1:0", "--admin", "127.0.0.1:0"],
+                         env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}, cwd=tmp_path)
     assert f"policy {STARTER_LABEL}" in line
     assert "; admin 127.0.0.1:" in line
