@@ -35,7 +35,7 @@ import struct
 import threading
 import time
 
-from typing import Callable
+from collections.abc import Callable
 
 from sluice.policy.decide import canonical_ip, check_own_address
 from sluice.policy.model import Rules

@@ -26,7 +26,7 @@ import logging
 import os
 import signal
 from dataclasses import dataclass
-from typing import Callable
+from collections.abc import Callable
 
 from mitmproxy import ctx, exceptions
 

@@ -17,7 +17,7 @@ REASON_HEADER = "Sluice-Reason"
 # Every response Sluice itself makes (refusals, error answers). Only these may
 # carry Sluice-Reason, `Proxy-Status: sluice` or Proxy-Authenticate: the
 # origin-headers addon strips them from every other (an origin's) response.
-_SLUICE_MADE: "weakref.WeakSet[http.Response]" = weakref.WeakSet()
+_SLUICE_MADE: weakref.WeakSet[http.Response] = weakref.WeakSet()
 
 
 def sluice_made(response: http.Response) -> bool:

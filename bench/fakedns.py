@@ -25,7 +25,7 @@ class FakeDNS:
         self._sock: socket.socket | None = None
         self._thread: threading.Thread | None = None
 
-    def start(self) -> "FakeDNS":
+    def start(self) -> FakeDNS:
         sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((self.host, self.port))

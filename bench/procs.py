@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-_STARTED: list["Proc"] = []
+_STARTED: list[Proc] = []
 
 
 class StartError(Exception):
@@ -30,7 +30,7 @@ class Proc:
     env: dict[str, str] | None = None
     popen: subprocess.Popen | None = field(default=None, repr=False)
 
-    def start(self) -> "Proc":
+    def start(self) -> Proc:
         out = open(self.log, "ab")
         try:
             self.popen = subprocess.Popen(

@@ -17,7 +17,8 @@ import re
 import stat
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any
+from collections.abc import Callable, Mapping
 
 import yaml
 
@@ -690,7 +691,7 @@ class _Reader:
 
     def limits(self, node: yaml.Node, base: Limits) -> Limits:
         changes: dict[str, Any] = {}
-        for key, (key_node, value_node) in self.mapping(node, LIMIT_KEYS, "limits").items():
+        for key, (_key_node, value_node) in self.mapping(node, LIMIT_KEYS, "limits").items():
             value = self.scalar(value_node)
             if value is _NOT_SCALAR:
                 self.problem(value_node, f"limits.{key} must be a single value, not a list or mapping")
@@ -721,7 +722,7 @@ class _Reader:
 
     def dns(self, node: yaml.Node) -> DnsSettings:
         changes: dict[str, Any] = {}
-        for key, (key_node, value_node) in self.mapping(node, DNS_KEYS, "dns").items():
+        for key, (_key_node, value_node) in self.mapping(node, DNS_KEYS, "dns").items():
             if key == "nameservers":
                 servers = []
                 for item in self.sequence(value_node, "dns.nameservers"):
@@ -745,7 +746,7 @@ class _Reader:
 
     def rules(self, keys: dict[str, tuple[yaml.Node, yaml.Node]], base: Rules, top_level: bool = True) -> Rules:
         changes: dict[str, Any] = {}
-        for key, (key_node, value_node) in keys.items():
+        for key, (_key_node, value_node) in keys.items():
             if key == "action":
                 value = self.scalar(value_node)
                 if value not in ("enforce", "report"):

@@ -53,7 +53,7 @@ def ca_dir(explicit: str | None) -> Path:
 def working_copy(source: Path) -> Path:
     """Copy the CA in the read-only directory `source` into a new private
     directory (removed at exit) and return it."""
-    key_file, cert_file = source / KEY_FILE, source / CERT_FILE
+    key_file = source / KEY_FILE
     tls_key, tls_cert = source / "tls.key", source / "tls.crt"
     if not key_file.is_file() and not (tls_key.is_file() and tls_cert.is_file()):
         raise ValueError(

@@ -24,7 +24,6 @@ draining, /policy lists each worker's policy.
 from __future__ import annotations
 
 import asyncio
-import glob
 import json
 import os
 import re

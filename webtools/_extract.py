@@ -471,7 +471,7 @@ def _fence_code(nodes: list) -> dict[str, str]:
     blocks: dict[str, str] = {}
     nonce = secrets.token_hex(6)
     for node in nodes:
-        for i, pre in enumerate(list(node.iter("pre"))):
+        for pre in list(node.iter("pre")):
             if pre.getparent() is None and pre is not node:
                 continue
             code = pre.text_content().strip("\n")

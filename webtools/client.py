@@ -68,7 +68,7 @@ import time
 import zlib
 from dataclasses import dataclass, field
 from http.cookiejar import DefaultCookiePolicy
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 import httpx
 
@@ -118,7 +118,7 @@ class Limits:
     max_redirects: int = MAX_REDIRECTS
 
     @classmethod
-    def from_env(cls, env: dict | None = None) -> "Limits":
+    def from_env(cls, env: dict | None = None) -> Limits:
         """Durations and sizes in the policy language's units (`2s`, `500ms`,
         `1MiB`; a bare number is seconds or bytes), read by its own parsers."""
         env = os.environ if env is None else env
@@ -491,7 +491,7 @@ class WebClient:
             client.close()
         self._clients.clear()
 
-    def __enter__(self) -> "WebClient":
+    def __enter__(self) -> WebClient:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -727,7 +727,7 @@ class WebClient:
 
 
 @contextlib.contextmanager
-def call_client(client: "WebClient | None") -> Iterator["WebClient"]:
+def call_client(client: WebClient | None) -> Iterator[WebClient]:
     """A tool call's client: the caller's as it is (the caller closes it), or
     one made from the environment for this call and closed after it."""
     if client is not None:

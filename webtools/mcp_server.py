@@ -40,7 +40,7 @@ import json
 import os
 import secrets
 import sys
-from typing import Iterable
+from collections.abc import Iterable
 
 import anyio
 import mcp_types as types

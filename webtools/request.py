@@ -11,7 +11,6 @@ decompression; a body over the result cap (100,000 bytes) is
 
 from __future__ import annotations
 
-import hashlib
 
 from sluice.webtools.client import Fetched, ReadPlan, WebClient, call_client
 from sluice.webtools.errors import WebError

@@ -29,7 +29,7 @@ from __future__ import annotations
 import copy
 import json
 import re
-from typing import Iterable
+from collections.abc import Iterable
 
 from sluice.webtools.errors import ERRORS
 from sluice.webtools.tools import TOOLS, Tool, json_schema

@@ -33,7 +33,8 @@ import os
 import sys
 import traceback
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 from sluice.webtools.client import MAX_URL_CHARS
 from sluice.webtools.errors import WebError

@@ -230,7 +230,7 @@ class VhostOrigin:
 # ---------------------------------------------------------------- clients
 
 
-def start_vhost_origin(tls_ca, fake_dns) -> "VhostOrigin":
+def start_vhost_origin(tls_ca, fake_dns) -> VhostOrigin:
     """The two-vhost origin of the interception tests, started: a, b and c
     resolve to ORIGIN_IP; b is the default virtual host, as an nginx
     default_server would be."""
@@ -307,7 +307,7 @@ def exchange(sock: socket.socket, chunks: list[bytes], pause: float = 0.15, meth
             if not reader._fill():
                 return Outcome("closed", error=repr(reader.buf[:200]))
         return Outcome("response", read_response(reader, method=method))
-    except (TimeoutError, socket.timeout):
+    except TimeoutError:
         return Outcome("timeout", error=repr(reader.buf[:200]))
     except (ssl.SSLEOFError, ssl.SSLZeroReturnError) as e:  # the proxy closed the TLS connection
         return Outcome("closed", error=repr(e))

@@ -139,11 +139,11 @@ def test_requests_inside_an_intercepted_tunnel_carry_the_connect_id_and_user(pro
 
 
 def test_time_is_rfc3339_utc_with_milliseconds(proxy):
-    before = datetime.datetime.now(datetime.timezone.utc)
+    before = datetime.datetime.now(datetime.UTC)
     status, name = request(proxy)
     assert status == 200
     e = line_of(proxy, name)
-    after = datetime.datetime.now(datetime.timezone.utc)
+    after = datetime.datetime.now(datetime.UTC)
     assert RFC3339_MS.match(e["time"]), e["time"]
     when = datetime.datetime.fromisoformat(e["time"].replace("Z", "+00:00"))
     assert before - datetime.timedelta(seconds=1) <= when <= after + datetime.timedelta(seconds=1), (before, when, after)

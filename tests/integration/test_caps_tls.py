@@ -44,7 +44,7 @@ class SpecialOrigin:
         self.blackhole: socket.socket | None = None
         self.fillers: list[socket.socket] = []
 
-    def start(self) -> "SpecialOrigin":
+    def start(self) -> SpecialOrigin:
         self.thread.start()
         asyncio.run_coroutine_threadsafe(self._start(), self.loop).result(10)
         # A listener whose accept queue is full drops new SYNs: connects hang.
@@ -209,8 +209,8 @@ def client(proxy, **kw) -> httpx.Client:
 def audit_for(proxy, path_or_reason: str, *, wait: float = 3.0) -> list[dict]:
     deadline = time.time() + wait
     while True:
-        lines = [json.loads(l) for l in Path(proxy.audit_file).read_text().splitlines() if l.strip()]
-        found = [l for l in lines if l.get("reason") == path_or_reason]
+        lines = [json.loads(line) for line in Path(proxy.audit_file).read_text().splitlines() if line.strip()]
+        found = [line for line in lines if line.get("reason") == path_or_reason]
         if found or time.time() > deadline:
             return found
         time.sleep(0.1)

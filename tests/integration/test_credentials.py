@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import socket
 import ssl
 import subprocess
 import threading
@@ -91,7 +90,7 @@ class RecordingOrigin:
     def _on_sni(sslobj, server_name, _ctx):
         sslobj.sluice_sni = server_name
 
-    def start(self) -> "RecordingOrigin":
+    def start(self) -> RecordingOrigin:
         self.thread.start()
 
         async def serve():

@@ -56,7 +56,7 @@ import yaml
 from sluice.resolver import NEGATIVE_TTL
 from harness.clients import Response, _Reader, read_response
 from harness.sluice import DNS_SERVER
-from sluice.policy.hosts import HostError, IPHost, parse_host
+from sluice.policy.hosts import HostError, parse_host
 from sluice.policy.loader import hash_password, load_policy_file
 from sluice.policy.ranges import classify
 

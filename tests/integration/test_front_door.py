@@ -43,7 +43,7 @@ class UpgradeOrigin:
         self.requests: list[dict] = []
         self.piped = 0  # bytes received after a 101
 
-    def start(self) -> "UpgradeOrigin":
+    def start(self) -> UpgradeOrigin:
         self.thread.start()
         asyncio.run_coroutine_threadsafe(self._start(), self.loop).result(10)
         return self

@@ -5,7 +5,6 @@ inside an intercepted TLS tunnel. No canary may see a connection."""
 from __future__ import annotations
 
 import select
-import socket
 import ssl
 import time
 

@@ -30,7 +30,6 @@ import json
 import os
 import socket
 import ssl
-import time
 from pathlib import Path
 
 import httpx

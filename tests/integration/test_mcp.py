@@ -64,7 +64,7 @@ class Origin:
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
 
-    def start(self) -> "Origin":
+    def start(self) -> Origin:
         self.thread.start()
         self.server = asyncio.run_coroutine_threadsafe(asyncio.start_server(self._handle, ORIGIN, PORT),
                                                        self.loop).result(10)

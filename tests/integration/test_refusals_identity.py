@@ -22,15 +22,13 @@ from __future__ import annotations
 
 import socket
 import struct
-import subprocess
-import time
 
 import httpx
 import pytest
 import requests
 
-from harness import absolute_form, connect, curl, default_policy, http_request, origin_form, socks5_connect
-from harness.clients import _Reader, clean_env, read_response
+from harness import absolute_form, curl, default_policy, socks5_connect
+from harness.clients import _Reader, read_response
 from sluice.policy.loader import hash_password
 from sluice.policy.reasons import BAD_REQUEST_ADVICE, DNS_NO_NAME_ADVICE, DNS_TRANSIENT_ADVICE, POLICY_SUFFIX
 

@@ -66,7 +66,7 @@ class Mock:
         self.thread = threading.Thread(target=self.loop.run_forever, name="search-key-mock", daemon=True)
         self.requests: list[dict] = []
 
-    def start(self) -> "Mock":
+    def start(self) -> Mock:
         self.thread.start()
 
         async def serve():

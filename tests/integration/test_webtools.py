@@ -19,7 +19,6 @@ import socket
 import ssl
 import subprocess
 import threading
-from pathlib import Path
 
 import pytest
 
@@ -56,7 +55,7 @@ PNG = bytes.fromhex("89504e470d0a1a0a0000000d4948445200000001000000010806000000"
 PDF = b"%PDF-1.4\n1 0 obj<<>>endobj\ntrailer<<>>\n%%EOF\n"
 REPORT_PDF = pdfs.text_pdf([[f"Report page {n}, line {i}." for i in range(20)] for n in range(1, 4)], title="Report")
 SITEMAP = ('<?xml version="1.0" encoding="UTF-8"?><urlset xmlns="http://www.sitemaps.org/schemas/sitemap/0.9">'
-           + "".join(f"<url><loc>https://web.example.com/p{i}</loc>{'<lastmod>2026-01-0%d</lastmod>' % (i % 9 + 1) if i % 2 else ''}</url>"
+           + "".join(f"<url><loc>https://web.example.com/p{i}</loc>{f'<lastmod>2026-01-0{i % 9 + 1}</lastmod>' if i % 2 else ''}</url>"
                      for i in range(3)) + "</urlset>").encode()
 BIG_SITEMAP = ("<urlset>" + "".join(f"<url><loc>https://web.example.com/p{i}</loc></url>" for i in range(6000))
                + "</urlset>").encode()
@@ -80,7 +79,7 @@ class WebOrigin:
         self.requests: list[dict] = []
         self.sent: dict[str, int] = {}  # path -> body bytes written before the peer went away
 
-    def start(self) -> "WebOrigin":
+    def start(self) -> WebOrigin:
         self.thread.start()
         asyncio.run_coroutine_threadsafe(self._start(), self.loop).result(10)
         return self
@@ -176,7 +175,7 @@ class WebOrigin:
                     await asyncio.wait_for(writer.drain(), 5)
                     sent += len(chunk)
                     self.sent[path] = sent
-            except (ConnectionError, OSError, asyncio.TimeoutError):
+            except (TimeoutError, ConnectionError, OSError):
                 pass
             return False
         if path == "/short":  # promises 1000 bytes, sends 10, closes

@@ -71,7 +71,7 @@ class ConversionOrigin:
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
 
-    def start(self) -> "ConversionOrigin":
+    def start(self) -> ConversionOrigin:
         self.thread.start()
         asyncio.run_coroutine_threadsafe(self._start(), self.loop).result(10)
         return self

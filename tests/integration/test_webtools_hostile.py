@@ -60,7 +60,7 @@ class DripOrigin:
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.paths: list[str] = []  # every request's path, in order
 
-    def start(self) -> "DripOrigin":
+    def start(self) -> DripOrigin:
         self.thread.start()
         asyncio.run_coroutine_threadsafe(self._start(), self.loop).result(10)
         return self

@@ -61,7 +61,7 @@ class ForgingOrigin:
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.requests: list[dict] = []
 
-    def start(self) -> "ForgingOrigin":
+    def start(self) -> ForgingOrigin:
         self.thread.start()
         asyncio.run_coroutine_threadsafe(self._start(), self.loop).result(10)
         return self

@@ -539,11 +539,11 @@ def test_a_half_closed_client_is_never_left_open_by_the_proxy(fuzz_proxy, canari
             answers = http1_answers(received)
             s.close()
             held = settle_fds(pid, base, 2.0)
-            assert False, (
+            raise AssertionError(
                 f"try {attempt + 1}: the proxy answered {[(a.status, a.sluice_reason) for a in answers]} "
                 f"to a request that said Connection: close, but kept the connection open {bound:g}s, "
                 f"past its {IDLE_TIMEOUT:g}s idle_timeout; 2s after the client closed too it held {held} fds "
-                f"(baseline {base})")
+                f"(baseline {base})") from None
         except OSError:
             pass
         finally:
@@ -712,7 +712,7 @@ def test_cut_websocket_pipes_close_their_upstream_connections(proxy, origin):
     for round_ in range(6):
         paths = [f"/ws/flood-fds-{round_}-{i}" for i in range(PIPES)]
         pipe_round(proxy, origin, f"fds-{round_}", flood=True)
-        if not wait_until(lambda: not origin.still_open(paths), 1.5):
+        if not wait_until(lambda paths=paths: not origin.still_open(paths), 1.5):
             break
     left = len(origin.still_open(paths))
     fds_after = fd_count(pid)

@@ -237,12 +237,12 @@ def test_fuzzed_request_heads(fuzz_proxy, canaries):
     @given(raw=request_heads())
     def exchange(raw: bytes) -> None:
         try:
-            response, elapsed = _answer_or_close(proxy, raw)
+            response, _elapsed = _answer_or_close(proxy, raw)
         except TimeoutError:
             hangs.append(raw)
             raise AssertionError(f"no answer and no close within {EXCHANGE_TIMEOUT}s for {raw!r}") from None
         except ConnectionError:
-            response, elapsed = None, 0.0
+            response, _elapsed = None, 0.0
         status = getattr(response, "status", None)
         statuses[status] = statuses.get(status, 0) + 1
         if response is not None and response.status is not None:

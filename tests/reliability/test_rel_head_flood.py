@@ -208,7 +208,7 @@ def test_flood_pipelined_behind_a_pending_response_is_closed(proxy, fault_origin
     for n in range(rounds):
         sock = open_socket(proxy.address, timeout=15)
         sock.sendall(pending)
-        assert wait_until(lambda: fault_origin.paths.count("/hang") == n + 1, 10), "the origin never got /hang"
+        assert wait_until(lambda n=n: fault_origin.paths.count("/hang") == n + 1, 10), "the origin never got /hang"
         sent, answer = flood(proxy.address, b"GET http://public.example/ HTTP/1.1\r\nX: ", sock=sock)
         assert sent < FLOOD_LIMIT, "the pipelined flood was never cut"
         assert answer == b"", status_line(answer)  # nothing can be answered mid-response

@@ -95,7 +95,7 @@ def echo(s: socket.socket, payload: bytes) -> bytes:
             if not chunk:
                 break
             got += chunk
-    except (ConnectionResetError, TimeoutError, socket.timeout):
+    except (ConnectionResetError, TimeoutError):
         pass
     return got
 

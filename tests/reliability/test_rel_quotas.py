@@ -245,7 +245,7 @@ class H2Origin:
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.server: asyncio.Server | None = None
 
-    def start(self) -> "H2Origin":
+    def start(self) -> H2Origin:
         self.thread.start()
         asyncio.run_coroutine_threadsafe(self._start(), self.loop).result(10)
         return self

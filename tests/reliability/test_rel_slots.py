@@ -158,7 +158,7 @@ def _closed_by_proxy(sock: socket.socket, within: float) -> tuple[bool, bytes]:
             if not chunk:
                 return True, data
             data += chunk
-    except (TimeoutError, socket.timeout):
+    except TimeoutError:
         return False, data
     except ConnectionResetError:
         return True, data
@@ -173,7 +173,7 @@ def slots_proxy(sluice_factory):
 
 def test_idle_connections_from_one_source_leave_slots_for_the_others(slots_proxy, net):
     proxy = slots_proxy
-    origin = net.origin("8.8.8.8", 80)
+    net.origin("8.8.8.8", 80)
     mark = proxy.audit_mark()
     idle: list[socket.socket] = []
     try:
@@ -304,7 +304,7 @@ def test_out_of_file_descriptors_is_one_line_not_a_traceback(sluice_factory, net
     settle_fds(pid, base + 10, 20)
     text = proxy.stderr_since(mark)
     assert "Traceback" not in text, text[-4000:]
-    emfile_lines = [l for l in text.splitlines() if "open files" in l or "file descriptors" in l]
+    emfile_lines = [line for line in text.splitlines() if "open files" in line or "file descriptors" in line]
     assert 1 <= len(emfile_lines) <= 4, text[-4000:]
     # It serves again.
     assert KeepAlive(proxy.address).request(get("http://8.8.8.8/after", close=True)).status == 200

@@ -194,9 +194,10 @@ clients:
     methods: [GET, CONNECT]
     intercept: ["*"]
   - name: bot
-    users: {bot: {password_hash: "%s"}}
+    users: {bot: {password_hash: "BOT_VERIFIER"}}
     allow: ["*"]
-""" % "pbkdf2_sha256$200000$fcf7938b15596eeef59b6826ab15c393$933006f51aa2a740be1a48d798464a2597fcb632eee42dad60e1cfb6b8e23c39"
+""".replace("BOT_VERIFIER", "pbkdf2_sha256$200000$fcf7938b15596eeef59b6826ab15c393$"
+                            "933006f51aa2a740be1a48d798464a2597fcb632eee42dad60e1cfb6b8e23c39")
 
 
 def real_sluice(*args) -> subprocess.CompletedProcess:

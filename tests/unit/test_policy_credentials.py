@@ -109,7 +109,7 @@ def test_the_secret_never_shows_in_repr_str_or_format():
     for text in (repr(policy), str(policy), f"{policy.rules}", repr(policy.clients), repr(policy.rules.credentials)):
         assert SECRET not in text
     secret = Secret(SECRET)
-    assert SECRET not in repr(secret) + str(secret) + f"{secret}" + f"{secret!r}" + "%s" % secret
+    assert SECRET not in repr(secret) + str(secret) + f"{secret}" + f"{secret!r}" + "%s" % secret  # noqa: UP031 (%-formatting is one of the ways checked)
     assert secret == Secret(SECRET) and secret != Secret("other") and secret.reveal() == SECRET
 
 

@@ -51,7 +51,7 @@ def test_whatwg_labels_map_to_encodings():
 @pytest.mark.parametrize("label", ["undefined", "punycode", "idna", "base64", "utf-7", "rot13", "hex", "zlib",
                                    "utf-16-le", "latin-1", "utf_8", "mbcs", "x" * 10_000, "\x00", ""])
 def test_a_label_that_is_not_a_web_encoding_decodes_as_utf8(label):
-    body = "café — ok".encode("utf-8") + b" \xff"
+    body = "café — ok".encode() + b" \xff"
     assert charsets.lookup(label) is None
     assert decode_text(body, label) == "café — ok \ufffd"
     assert charsets.decode_html(body, label) == "café — ok \ufffd"
@@ -166,7 +166,7 @@ def test_a_link_target_over_2048_characters_is_dropped_and_its_text_kept():
 
 def test_a_relative_link_that_resolves_past_2048_characters_is_dropped():
     base = "https://x.example/" + "d" * 2040 + "/"
-    html = f"<body><p>one <a href='longer-than-the-rest'>rel</a> two <a href='https://y.example/'>abs</a></p></body>"
+    html = "<body><p>one <a href='longer-than-the-rest'>rel</a> two <a href='https://y.example/'>abs</a></p></body>"
     md = html_to_markdown(html, base).markdown
     assert "rel" in md and "longer-than-the-rest" not in md
     assert "[abs](https://y.example/)" in md
@@ -386,6 +386,6 @@ def test_padding_the_stylesheets_hides_the_page_never_shows_hidden_text():
     for padded in ("<style>" + "".join(f".z{i} p > [a]{{top:-9999px}}" for i in range(_hidden._MAX_SELECTORS)) + tail,
                    "<style>" + ".a, .b" * 400_000 + "{opacity:0}" + tail,
                    "<style>" + "/* pad */" * (_hidden._MAX_CSS_CHARS // 9 + 1) + tail):
-        v, seconds = cpu(lambda: page_text(padded))
+        v, seconds = cpu(lambda padded=padded: page_text(padded))
         assert seconds < CPU_SECONDS, seconds
         assert v.text == "" and v.hidden_chars == len("shown") + len("SECRET")
