@@ -102,7 +102,8 @@ class AuditLog:
             self._reopen_failed = False
         except OSError as e:
             if not self._reopen_failed:
-                logger.error(f"cannot reopen the audit log {self._path}: {e.strerror or e}; still writing to the file it was")
+                logger.error(f"cannot reopen the audit log {self._path}: {e.strerror or e}; still writing to the file "
+                             "it was")
                 self._reopen_failed = True
 
     def _rotated(self) -> bool:
@@ -187,10 +188,12 @@ class AuditLog:
         if verdict is None:  # not decided by the gate: should not happen; log what we know
             server = flow.server_conn
             address = server.peername[0] if server.peername else (server.address[0] if server.address else "?")
-            verdict = Verdict(address, server.address[1] if server.address else 0, Decision(True, address=address), None, None)
+            verdict = Verdict(address, server.address[1] if server.address else 0, Decision(True, address=address),
+                              None, None)
         self.tunnel_line(verdict, flow.client_conn, flow.id, flow.error.msg if flow.error else None)
 
-    def tunnel_line(self, verdict: Verdict, client: connection.Client, flow_id: str | None = None, error: str | None = None) -> None:
+    def tunnel_line(self, verdict: Verdict, client: connection.Client, flow_id: str | None = None, error: str
+                    | None = None) -> None:
         """One line when a tunnel (CONNECT, SOCKS5, transparent) closes or is cut."""
         if verdict.logged:
             return
@@ -208,7 +211,8 @@ class AuditLog:
             detail=verdict.cap.detail if verdict.cap else error,
         )
 
-    def refused_connection(self, client: connection.Client, host: str, port: int, decision: Decision, profile: str | None) -> None:
+    def refused_connection(self, client: connection.Client, host: str, port: int, decision: Decision, profile: str
+                           | None) -> None:
         """A connection refused at dial time (SOCKS5, transparent, last gate)."""
         refusal = decision.refusal
         self.write(

@@ -117,7 +117,8 @@ class Drain:
 
     def cut_all(self) -> int:
         """Cut what is still in flight, each with its `shutdown` audit line."""
-        refusal = Refusal(Reason.SHUTDOWN, f"the proxy shut down before this finished (drain timeout {self.timeout:g}s)",
+        refusal = Refusal(Reason.SHUTDOWN,
+                          f"the proxy shut down before this finished (drain timeout {self.timeout:g}s)",
                           advice=SHUTDOWN_ADVICE)
         cut = 0
         flows = [f for _, state in connstate.states() for f in list(state.in_flight.values())]

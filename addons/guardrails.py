@@ -44,7 +44,8 @@ class Guardrails:
         if self._running:
             for name, safe in SAFE_DEFAULTS.items():
                 if name in updated and getattr(ctx.options, name) != safe:
-                    raise exceptions.OptionsError(f"Sluice keeps {name}={safe}: {name} would carry bytes its caps cannot count.")
+                    raise exceptions.OptionsError(f"Sluice keeps {name}={safe}: {name} would carry bytes its caps "
+                                                  "cannot count.")
         for name, (bad, why) in UNSAFE.items():
             if name in updated and name in ctx.options and getattr(ctx.options, name) == bad:
                 raise exceptions.OptionsError(f"Sluice refuses {name}={bad}: it {why}.")

@@ -45,15 +45,20 @@ def _size(n: int) -> str:
 
 def head_refusal(problem: str, limits: Limits) -> Refusal:
     if problem == mitm_patches.HEAD_TIMEOUT:
-        return Refusal(Reason.HEADER_TIMEOUT, f"the request head did not arrive whole within this proxy's {limits.header_timeout:g}s "
+        return Refusal(Reason.HEADER_TIMEOUT,
+                       f"the request head did not arrive whole within this proxy's {limits.header_timeout:g}s "
                                               "(limits.header_timeout); send the request line and headers at once")
     if problem == mitm_patches.TOO_MANY_FIELDS:
-        return Refusal(Reason.HEADERS_TOO_LARGE, f"the request has more than this proxy's {limits.max_header_count} header fields "
+        return Refusal(Reason.HEADERS_TOO_LARGE,
+                       f"the request has more than this proxy's {limits.max_header_count} header fields "
                                                  "(limits.max_header_count); send fewer headers")
     if problem == mitm_patches.PIPELINED_TOO_MUCH:
-        return Refusal(Reason.HEADERS_TOO_LARGE, f"the client sent more than {_size(limits.max_header_bytes)} of further requests "
-                                                 "while a response was pending (limits.max_header_bytes); wait for each response")
-    return Refusal(Reason.HEADERS_TOO_LARGE, f"the request head is over this proxy's {_size(limits.max_header_bytes)} cap "
+        return Refusal(Reason.HEADERS_TOO_LARGE,
+                       f"the client sent more than {_size(limits.max_header_bytes)} of further requests "
+                                                 "while a response was pending (limits.max_header_bytes); wait for "
+                                                 "each response")
+    return Refusal(Reason.HEADERS_TOO_LARGE,
+                   f"the request head is over this proxy's {_size(limits.max_header_bytes)} cap "
                                              "(limits.max_header_bytes); send fewer or smaller headers")
 
 

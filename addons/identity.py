@@ -222,7 +222,8 @@ class ClientIdentifier:
             return await self._check(policy, source, step, password)
         return step
 
-    async def socks5_login(self, policy: Policy, client: connection.Client, username: str, password: str) -> ClientMatch | None:
+    async def socks5_login(self, policy: Policy, client: connection.Client, username: str,
+                           password: str) -> ClientMatch | None:
         """A SOCKS5 username/password, checked exactly like Proxy-Authorization
         (same verifiers, cache and throttles). None when credentials do not
         count (the policy defines no users: the client is then known by its
@@ -284,7 +285,8 @@ class ClientIdentifier:
         if source:
             self._by_address.charge(source)
         self._by_username.charge(check.username)
-        future = asyncio.get_running_loop().run_in_executor(self._executor(), self._verify_password, check.verifier, password)
+        future = asyncio.get_running_loop().run_in_executor(self._executor(), self._verify_password, check.verifier,
+                                                            password)
         self._pending[key] = future
         future.add_done_callback(lambda done: self._finished(key, source, check.username, done))
         # shield: a client that goes away must not cancel a check others share

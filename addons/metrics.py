@@ -55,21 +55,29 @@ CAP_REASONS = frozenset({
 FAST_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 NETWORK_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
-REQUESTS = Counter("sluice_requests", "Decided requests, CONNECTs and refused connections (audit lines other than tunnel and reload), "
+REQUESTS = Counter("sluice_requests",
+                   "Decided requests, CONNECTs and refused connections (audit lines other than tunnel and reload), "
                    "by audit event, decision, reason and client profile", ["event", "decision", "reason", "profile"])
-TUNNELS = Counter("sluice_tunnels", "Closed tunnels (CONNECT, SOCKS5, transparent), by decision, reason and client profile",
+TUNNELS = Counter("sluice_tunnels",
+                  "Closed tunnels (CONNECT, SOCKS5, transparent), by decision, reason and client profile",
                   ["decision", "reason", "profile"])
-BYTES_IN = Counter("sluice_received_bytes", "Bytes from origins to clients (the audit log's bytes_in), by client profile", ["profile"])
-BYTES_OUT = Counter("sluice_sent_bytes", "Bytes from clients to origins (the audit log's bytes_out), by client profile", ["profile"])
-CAPS = Counter("sluice_caps_tripped", "Size and time caps that cut an exchange or tunnel, by kind (the reason code)", ["kind"])
+BYTES_IN = Counter("sluice_received_bytes",
+                   "Bytes from origins to clients (the audit log's bytes_in), by client profile", ["profile"])
+BYTES_OUT = Counter("sluice_sent_bytes", "Bytes from clients to origins (the audit log's bytes_out), by client profile",
+                    ["profile"])
+CAPS = Counter("sluice_caps_tripped", "Size and time caps that cut an exchange or tunnel, by kind (the reason code)",
+               ["kind"])
 RELOADS = Counter("sluice_policy_reloads", "Policy reloads, by result (ok, failed)", ["result"])
-POLICY = Gauge("sluice_policy_info", "The loaded policy: 1 for the sha256 of its file", ["sha256"], multiprocess_mode="livemax")
-DECISION = Histogram("sluice_decision_seconds", "Time to decide one request or tunnel (DNS included)", buckets=FAST_BUCKETS)
+POLICY = Gauge("sluice_policy_info", "The loaded policy: 1 for the sha256 of its file", ["sha256"],
+               multiprocess_mode="livemax")
+DECISION = Histogram("sluice_decision_seconds", "Time to decide one request or tunnel (DNS included)",
+                     buckets=FAST_BUCKETS)
 DNS_LOOKUP = Histogram("sluice_dns_lookup_seconds", "Upstream DNS lookups (cache misses), by result (ok, failed)",
                        ["result"], buckets=NETWORK_BUCKETS)
 DNS_HITS = Counter("sluice_dns_cache_hits", "Names answered from Sluice's DNS cache")
 DNS_MISSES = Counter("sluice_dns_cache_misses", "Names not in Sluice's DNS cache (a lookup, or one already under way)")
-CONNECT = Histogram("sluice_upstream_connect_seconds", "Time to open a TCP connection to an origin", buckets=NETWORK_BUCKETS)
+CONNECT = Histogram("sluice_upstream_connect_seconds", "Time to open a TCP connection to an origin",
+                    buckets=NETWORK_BUCKETS)
 OPEN_CONNECTIONS = Gauge("sluice_open_client_connections", "Client connections open now (sampled each second)",
                          multiprocess_mode="livesum")
 OTLP_DROPPED = Counter("sluice_otlp_dropped", "Audit records not exported over OTLP (the queue was full or the "

@@ -67,7 +67,8 @@ def interface_addresses() -> frozenset[str] | None:
         s.bind((0, 0))
         seq = int(time.monotonic() * 1000) & 0xFFFFFFFF
         ifaddrmsg = struct.pack("=BBBBI", socket.AF_UNSPEC, 0, 0, 0, 0)
-        s.sendall(struct.pack("=IHHII", 16 + len(ifaddrmsg), _RTM_GETADDR, _NLM_F_REQUEST | _NLM_F_DUMP, seq, 0) + ifaddrmsg)
+        s.sendall(struct.pack("=IHHII", 16 + len(ifaddrmsg), _RTM_GETADDR, _NLM_F_REQUEST | _NLM_F_DUMP, seq, 0)
+                  + ifaddrmsg)
         while True:
             data = s.recv(1 << 16)
             if not data:

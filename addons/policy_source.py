@@ -92,7 +92,8 @@ class PolicySource:
                     raise ValueError
             except ValueError:
                 raise exceptions.OptionsError(
-                    f"sluice_policy_poll must be a number of seconds (0 disables), not {ctx.options.sluice_policy_poll!r}"
+                    "sluice_policy_poll must be a number of seconds (0 disables), not "
+                    f"{ctx.options.sluice_policy_poll!r}"
                 ) from None
         if "sluice_policy" in updated and ctx.options.sluice_policy:
             path = ctx.options.sluice_policy
@@ -200,7 +201,8 @@ class PolicySource:
             problems = outcome.problems
             for problem in problems:
                 logger.error(str(problem))
-            logger.error(f"{path}: reload refused ({len(problems)} problem(s)); keeping the last good policy ({self._generation()})")
+            logger.error(f"{path}: reload refused ({len(problems)} problem(s)); keeping the last good policy "
+                         f"({self._generation()})")
             self.audit.write(event="reload", decision="failed", detail="; ".join(str(p) for p in problems[:20]))
             self._reload_failed = True
             return False
@@ -209,7 +211,8 @@ class PolicySource:
             if self._reload_failed:  # the last good file is back: say so
                 self._reload_failed = False
                 logger.warning(f"{path}: restored last good policy ({self._generation()})")
-                self.audit.write(event="reload", decision="ok", detail=f"{path} restored (generation {self.current.generation})")
+                self.audit.write(event="reload", decision="ok",
+                                 detail=f"{path} restored (generation {self.current.generation})")
             elif explicit:
                 logger.warning(f"{path}: unchanged; keeping the current policy ({self._generation()})")
             return True  # touched, not changed

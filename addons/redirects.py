@@ -70,7 +70,8 @@ class RedirectGuard:
         try:
             target = resolve_redirect(base, location)
         except ValueError as e:
-            refusal = Refusal(Reason.REDIRECT_REFUSED, f"the response redirects to {location!r}, which is not a valid URL ({e})")
+            refusal = Refusal(Reason.REDIRECT_REFUSED,
+                              f"the response redirects to {location!r}, which is not a valid URL ({e})")
         else:
             method = flow.request.method if response.status_code in METHOD_KEEPING else "GET"
             dest = Destination(target.host, target.port, target.scheme, method, target.has_credentials)
@@ -79,7 +80,8 @@ class RedirectGuard:
                 return
             refusal = Refusal(
                 Reason.REDIRECT_REFUSED,
-                f"the response redirects to {target.url}, which this policy refuses ({decision.refusal.reason.value}: {decision.refusal.detail})",
+                f"the response redirects to {target.url}, which this policy refuses ({decision.refusal.reason.value}: "
+                f"{decision.refusal.detail})",
             )
         verdict.cut(refusal)
         if plain_http1(flow) and not _ends_with_headers(flow):

@@ -210,7 +210,8 @@ def throttled(policy: Policy, retry_after: int, busy: bool = False) -> ClientMat
 
 def _wrong_credentials(policy: Policy) -> ClientMatch:
     return ClientMatch(policy.rules, None, Refusal(
-        Reason.CLIENT_UNKNOWN, "the proxy credentials were not accepted; check the username and password your proxy URL carries",
+        Reason.CLIENT_UNKNOWN,
+        "the proxy credentials were not accepted; check the username and password your proxy URL carries",
         note=policy.rules.refusal_note))
 
 

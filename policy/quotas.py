@@ -241,7 +241,8 @@ def check_request(counters: Counters, limits: Limits, client: tuple, host: str, 
         wait = counters.take(("rate",) + client, rate, burst, now)
         if wait > 0:
             return Refusal(Reason.RATE_LIMITED,
-                           f"this agent is over its rate limit of {rate:g} requests a second (bursts of {burst}); slow down",
+                           f"this agent is over its rate limit of {rate:g} requests a second (bursts of {burst}); slow "
+                           "down",
                            retry_after=_seconds(wait))
     per_host = limits.max_requests_per_host_per_minute
     if per_host is not None:
@@ -260,7 +261,8 @@ def admit_connection(counters: Counters, limits: Limits, source: str | None) -> 
     if counters.acquire(connection_key(source), limits.max_connections):
         return None
     return Refusal(Reason.TOO_MANY_CONNECTIONS,
-                   f"{source or 'this address'} already has {limits.max_connections} connections open through the proxy, "
+                   f"{source or 'this address'} already has {limits.max_connections} connections open through the "
+                   "proxy, "
                    "this policy's max_connections for it",
                    advice="Reuse an open connection (keep-alive) or close one, then retry.")
 
@@ -347,6 +349,7 @@ def over_connections(counters: Counters, limits: Limits, source: str | None) -> 
 
 def _too_many_connections(limits: Limits, source: str | None) -> Refusal:
     return Refusal(Reason.TOO_MANY_CONNECTIONS,
-                   f"{source or 'this address'} already has {limits.max_connections} connections open through the proxy, "
+                   f"{source or 'this address'} already has {limits.max_connections} connections open through the "
+                   "proxy, "
                    "this policy's max_connections for it",
                    advice="Reuse an open connection (keep-alive) or close one, then retry.")

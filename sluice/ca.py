@@ -79,7 +79,8 @@ def working_copy(source: Path) -> Path:
             raw = (copy / KEY_FILE).read_bytes()
             start = raw.find(b"-----BEGIN CERTIFICATE-----")
             if start < 0:
-                raise ValueError(f"{key_file} holds no certificate (it must be the private key followed by the certificate)")
+                raise ValueError(f"{key_file} holds no certificate (it must be the private key followed by the "
+                                 "certificate)")
             (copy / CERT_FILE).write_bytes(raw[start:])
     except OSError as e:
         raise ValueError(f"cannot copy the CA from {source}: {e.strerror or e}") from None

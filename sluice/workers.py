@@ -199,7 +199,8 @@ def _supervise(count: int, worker_args: list[str], drain_timeout: float, directo
             state["stopping"] = True
             started_stopping[0] = time.monotonic()
             print(f"sluice: stopping: no new connections; waiting up to {drain_timeout:g}s for exchanges and "
-                  f"tunnels in flight [{len(children)} workers] (signal again to stop at once)", file=sys.stderr, flush=True)
+                  f"tunnels in flight [{len(children)} workers] (signal again to stop at once)", file=sys.stderr,
+                  flush=True)
         forward_stop()  # a second signal reaches the workers too: they cut what is left at once
 
     def hup(*_):
@@ -241,6 +242,7 @@ def _supervise(count: int, worker_args: list[str], drain_timeout: float, directo
             thread.join(timeout=2)
     if stopping.is_set() and not failed and cut:
         elapsed = time.monotonic() - started_stopping[0]
-        print(f"sluice: stopped after {elapsed:.1f}s ({sum(cut)} cut by shutdown) [{count} workers]", file=sys.stderr, flush=True)
+        print(f"sluice: stopped after {elapsed:.1f}s ({sum(cut)} cut by shutdown) [{count} workers]", file=sys.stderr,
+              flush=True)
     codes = [c.returncode for c in children]
     return 0 if stopping.is_set() and not failed and all(code in (0, -signal.SIGTERM) for code in codes) else 1

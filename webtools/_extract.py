@@ -51,7 +51,8 @@ _BAD_CHARS = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\ufffe\uffff]")
 # attributes that decide visibility, links and structure. The tokenizer is one
 # left-to-right pass of possessive patterns (no backtracking): linear.
 _MAX_ATTRIBUTES = 128
-_ATTRIBUTE = r"""[\t\n\f\r /]*+([^\t\n\f\r />][^\t\n\f\r />=]*+)(?:[\t\n\f\r ]*+=[\t\n\f\r ]*+(?:"[^"]*+"|'[^']*+'|[^\t\n\f\r >]++))?+"""
+_ATTRIBUTE = (r"""[\t\n\f\r /]*+([^\t\n\f\r />][^\t\n\f\r />=]*+)"""
+              r"""(?:[\t\n\f\r ]*+=[\t\n\f\r ]*+(?:"[^"]*+"|'[^']*+'|[^\t\n\f\r >]++))?+""")
 _TAG_NAME = re.compile(r"<[A-Za-z][^\t\n\f\r />]*+")
 _START_TAG = re.compile(_TAG_NAME.pattern + r"(?:" + _ATTRIBUTE + r")*+")
 _ONE_ATTRIBUTE = re.compile(_ATTRIBUTE)
@@ -414,7 +415,8 @@ def _gather(best, best_score: float, scores: dict, text_len: dict, link_len: dic
         density = link_len.get(sib, 0) / n if n else 1.0
         if scores.get(sib, 0.0) * (1 - density) >= threshold:
             out.append(sib)
-        elif sib.tag == "p" and ((n > 80 and density < 0.25) or (0 < n <= 80 and density == 0 and "." in (sib.text_content()))):
+        elif sib.tag == "p" and ((n > 80 and density < 0.25)
+                                 or (0 < n <= 80 and density == 0 and "." in (sib.text_content()))):
             out.append(sib)
         elif sib.tag in {"pre", "table", "ul", "ol", "h2", "h3", "h4", "blockquote", "figure"} and n and density < 0.3:
             out.append(sib)

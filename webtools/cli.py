@@ -25,11 +25,13 @@ EXIT_ERROR = 1
 def add_parsers(sub) -> None:
     """Add the web tool subcommands to the `sluice` parser's subparsers."""
     def common(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--json", action="store_true", help="print the result dict as JSON instead of the model-facing text")
+        p.add_argument("--json", action="store_true",
+                       help="print the result dict as JSON instead of the model-facing text")
 
     p = sub.add_parser("fetch", help="web tool: read a page through the proxy as markdown, one window at a time",
                        description="Fetch URL through the Sluice proxy (SLUICE_PROXY) and print one window of it as "
-                                   "markdown in its envelope; images and PDFs as base64 with --json. Exit 1 on an error.")
+                                   "markdown in its envelope; images and PDFs as base64 with --json. Exit 1 on an "
+                                   "error.")
     p.add_argument("url", metavar="URL")
     p.add_argument("--offset", type=int, default=0, metavar="N", help="first character of the window (default 0)")
     p.add_argument("--max-chars", type=int, default=40000, metavar="N", help="window size (default 40000)")
@@ -66,7 +68,8 @@ def add_parsers(sub) -> None:
                                       "SearXNG, DuckDuckGo)",
                        description="Search the web through the Sluice proxy. The provider is --provider, else "
                                    "SLUICE_SEARCH_PROVIDER, else the first configured of SERPER_API_KEY, "
-                                   "BRAVE_SEARCH_API_KEY, TAVILY_API_KEY, FIRECRAWL_API_KEY/FIRECRAWL_URL, SEARXNG_URL, "
+                                   "BRAVE_SEARCH_API_KEY, TAVILY_API_KEY, FIRECRAWL_API_KEY/FIRECRAWL_URL, "
+                                   "SEARXNG_URL, "
                                    "else DuckDuckGo. Keys come from the environment (or VAR_FILE), never from "
                                    "arguments. Exit 1 on an error.")
     p.add_argument("query", metavar="QUERY", nargs="+", help="the words to search for")

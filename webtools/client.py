@@ -215,7 +215,8 @@ def request_url(url: str, *, first_line: bool = True) -> httpx.URL:
         raise WebError("web_bad_url", f"{shown} has a backslash in its host part, which URL parsers read differently "
                        "(as the end of the host, or as part of a user name); write the URL with / instead")
     differs = WebError("web_bad_url", f"{shown} is read as a different host, port or user name by different URL "
-                       "parsers (an odd character in its host part); write the plain URL, e.g. https://example.com/path")
+                       "parsers (an odd character in its host part); write the plain URL, e.g. "
+                       "https://example.com/path")
     try:
         parsed = httpx.URL(url)
         checked = parse_host(target.host)
@@ -261,7 +262,8 @@ def first_line_refusal(scheme: str, host_text: str, has_credentials: bool) -> Re
     elif isinstance(host, IPHost):
         row = classify(host.address)
         if row is not None:
-            return Refusal(Reason.ADDRESS_NOT_PUBLIC, f"{host.address} is {row.name} ({row.cidr}); only public internet addresses are reachable")
+            return Refusal(Reason.ADDRESS_NOT_PUBLIC,
+                           f"{host.address} is {row.name} ({row.cidr}); only public internet addresses are reachable")
     return None
 
 
@@ -296,7 +298,8 @@ def proxy_for(scheme: str, env: dict | None = None) -> str:
         if get(other):  # name the variable this URL wanted, not just "none"
             raise WebError("web_no_proxy", f"no proxy is configured for {scheme}:// URLs: {other} is set, but it is "
                            f"used for {'http' if scheme == 'https' else 'https'}:// URLs only; set SLUICE_PROXY "
-                           f"(used for both) or {by_scheme} to the Sluice proxy, e.g. SLUICE_PROXY=http://127.0.0.1:8080",
+                           f"(used for both) or {by_scheme} to the Sluice proxy, e.g. "
+                           "SLUICE_PROXY=http://127.0.0.1:8080",
                            wanted=by_scheme)
         raise WebError("web_no_proxy", NO_PROXY_MESSAGE)
     if "://" not in proxy:
@@ -306,7 +309,8 @@ def proxy_for(scheme: str, env: dict | None = None) -> str:
                        "the web tools speak HTTP to the proxy: set SLUICE_PROXY=http://HOST:PORT")
     problem = _proxy_url_problem(proxy)
     if problem:
-        name = next(n for n in ("SLUICE_PROXY", by_scheme, "ALL_PROXY") if (env.get(n) if n == "SLUICE_PROXY" else get(n)))
+        name = next(n for n in ("SLUICE_PROXY", by_scheme, "ALL_PROXY")
+                    if (env.get(n) if n == "SLUICE_PROXY" else get(n)))
         raise WebError("web_no_proxy", f"{name} is not a usable proxy URL ({problem}): set it to http://HOST:PORT, "
                        "e.g. SLUICE_PROXY=http://127.0.0.1:8080", variable=name)
     return proxy
@@ -560,7 +564,8 @@ class WebClient:
                                f"most {MAX_URL_CHARS:,} are followed", limit=MAX_URL_CHARS)
             if hops > self.limits.max_redirects:
                 raise WebError("web_too_many_redirects", f"{clean(url, URL_CHARS)} redirected more than "
-                               f"{self.limits.max_redirects} times (the last hop pointed to {clean(target.url, URL_CHARS)}); "
+                               f"{self.limits.max_redirects} times (the last hop pointed to "
+                               f"{clean(target.url, URL_CHARS)}); "
                                "not followed further", location=clean(target.url, URL_CHARS), redirects=hops - 1)
             current = redirect_target(current, target, check=check)
 
@@ -721,7 +726,8 @@ class WebClient:
             raise _timeout(url, self.limits.timeout) from None
         except (httpx.RemoteProtocolError, httpx.ReadError) as e:
             raise WebError("web_response_incomplete", f"the connection closed before the whole response of {current} "
-                           f"arrived ({e}); the origin, or a size or time cap of the proxy, cut it", url=current) from None
+                           f"arrived ({e}); the origin, or a size or time cap of the proxy, cut it",
+                           url=current) from None
         fetched.body = bytes(body)
         return fetched
 

@@ -32,7 +32,8 @@ def read(url: str, *, client: WebClient | None = None, max_text_chars: int = MAX
             if not 200 <= f.status < 300:
                 raise status_not_ok(f)
             if f.mime not in HTML_TYPES:
-                raise WebError("web_not_html", f"{f.final_url} is {f.mime or 'of no stated type'}, not HTML: read takes "
+                raise WebError("web_not_html",
+                               f"{f.final_url} is {f.mime or 'of no stated type'}, not HTML: read takes "
                                "HTML pages only; use request for text and JSON, sitemap for sitemaps",
                                content_type=media_type(f.content_type), url=f.url, final_url=f.final_url)
             return ReadPlan(client.limits.text_bytes)
@@ -47,8 +48,10 @@ def read(url: str, *, client: WebClient | None = None, max_text_chars: int = MAX
         title, text = visible.title, visible.text
         digest = hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
         if len(text) > max_text_chars:
-            raise WebError("web_page_too_large", f"the visible text of {fetched.final_url} is {len(text):,} characters, "
-                           f"more than one result holds ({max_text_chars:,}); no text is returned: this is not the page, "
+            raise WebError("web_page_too_large",
+                           f"the visible text of {fetched.final_url} is {len(text):,} characters, "
+                           f"more than one result holds ({max_text_chars:,}); no text is returned: this is not the "
+                           "page, "
                            "so do not summarise it; use fetch to page through it", chars=len(text), sha256=digest,
                            url=fetched.url, final_url=fetched.final_url)
         return {

@@ -2,7 +2,8 @@
 
 Only GET (`web_method_not_allowed` otherwise); only `accept` and
 `accept-language` may be set (`web_header_not_allowed` names any other: never
-credentials), each one line of printable ASCII of at most 1000 characters. A status outside 2xx is a result, not an error: check `status`.
+credentials), each one line of printable ASCII of at most 1000 characters. A
+status outside 2xx is a result, not an error: check `status`.
 Text and JSON bodies only (`web_not_text` otherwise, from the headers, before
 the body is read). `bytes` and `sha256` are over the body after
 decompression; a body over the result cap (100,000 bytes) is
@@ -57,7 +58,8 @@ def request(url: str, method: str = "GET", headers: dict | None = None, *, clien
             if not (is_text_type(f.mime) or (empty and not f.mime)):
                 raise WebError("web_not_text", f"{f.final_url} answered {f.status} with a body of type "
                                f"{f.mime or 'none stated'}: request returns text and JSON only",
-                               status=f.status, content_type=media_type(f.content_type), url=f.url, final_url=f.final_url)
+                               status=f.status, content_type=media_type(f.content_type), url=f.url,
+                               final_url=f.final_url)
             # Read up to the transport cap, so an over-cap body still gets its bytes and sha256.
             return ReadPlan(client.limits.text_bytes)
 

@@ -117,9 +117,11 @@ def operator_url(env, var: str, provider: str) -> str:
     try:
         target = split_url(raw)
     except ValueError as e:
-        raise WebError("search_not_configured", f"{var}={raw!r} is not an http(s) URL ({e})", provider=provider) from None
+        raise WebError("search_not_configured", f"{var}={raw!r} is not an http(s) URL ({e})",
+                       provider=provider) from None
     if target.scheme not in ("http", "https") or target.has_credentials:
-        raise WebError("search_not_configured", f"{var} must be an http(s) URL without user:password@", provider=provider)
+        raise WebError("search_not_configured", f"{var} must be an http(s) URL without user:password@",
+                       provider=provider)
     return raw.split("#", 1)[0].split("?", 1)[0].rstrip("/")
 
 
@@ -342,8 +344,9 @@ def _brave(client, call, query, count):
         code = str(err.get("code") or "")
         detail = str(err.get("detail") or "") or (f.body[:300].decode("utf-8", "replace") if data is _NOT_JSON else "")
         message = f"{code}: {detail}" if code and detail else code or detail
-        auth = f.status in (401, 403) or (f.status == 422 and (code == "SUBSCRIPTION_TOKEN_INVALID"
-                                                               or "subscription-token" in f.body.decode("utf-8", "replace").lower()))
+        token_invalid = code == "SUBSCRIPTION_TOKEN_INVALID" \
+            or "subscription-token" in f.body.decode("utf-8", "replace").lower()
+        auth = f.status in (401, 403) or (f.status == 422 and token_invalid)
         raise call.failed(f, message, auth=auth)
     if not isinstance(data, dict) or data.get("type") == "ErrorResponse":
         raise call.malformed(f, "a body that is not Brave's search JSON")

@@ -81,7 +81,8 @@ class _Parse:
         self.buf_len = 0
 
     def not_sitemap(self, why: str) -> WebError:
-        return WebError("web_not_sitemap", f"{self.where} is not an XML sitemap (a <urlset> or a <sitemapindex>): {why}")
+        return WebError("web_not_sitemap",
+                        f"{self.where} is not an XML sitemap (a <urlset> or a <sitemapindex>): {why}")
 
     def start(self, name, attrs):
         self.elements += 1

@@ -125,7 +125,8 @@ TOOLS: dict[str, Tool] = {
         "sitemap", "web_sitemap", "sitemap", sitemap,
         "List an XML sitemap's entries (loc, lastmod) in order. A sitemap index lists sitemaps: call web_sitemap "
         "on those you need. complete false means the list was too long to return (total says how many): not an "
-        "empty sitemap. dropped counts locs left out (not http(s), or too long). " + _envelope("The list", "sitemap") + " "
+        "empty sitemap. dropped counts locs left out (not http(s), or too long). " + _envelope("The list", "sitemap")
+        + " "
         + _REQUESTS,
         (_URL,),
     ),
@@ -134,7 +135,8 @@ TOOLS: dict[str, Tool] = {
         "Search the web: title, url, snippet and source of each result, in the provider's order. Read one with "
         "web_fetch. An empty list means nothing was found (try other words); a failed provider is an error: "
         "search_rate_limited: wait retry_after seconds; search_timeout, search_unreachable, search_provider_error, "
-        "search_blocked: retry once, later; search_not_configured: search is off (web_fetch works). " + _envelope("The list", "results"),
+        "search_blocked: retry once, later; search_not_configured: search is off (web_fetch works). "
+        + _envelope("The list", "results"),
         (Param("query", "string", "plain words, at most 400 characters"),
          Param("count", "integer", f"results, 1 to {MAX_COUNT}", 10),
          Param("provider", "string", f"{', '.join(PROVIDERS)}; omit for the configured one", None)),
@@ -235,12 +237,14 @@ def call(tool_name: str, arguments: dict) -> dict:
                         f"{', '.join(t.mcp_name for t in TOOLS.values())})").as_dict()
     if not isinstance(arguments, dict):
         return {"error": {"code": "web_bad_argument",
-                          "message": f"{tool.mcp_name} takes its arguments as an object (got {type(arguments).__name__})"}}
+                          "message": f"{tool.mcp_name} takes its arguments as an object (got "
+                                     f"{type(arguments).__name__})"}}
     known = {p.name for p in tool.params}
     extra = sorted(str(name) for name in set(arguments) - known)
     if extra:
         return {"error": {"code": "web_bad_argument",
-                          "message": f"{tool.mcp_name} takes no argument {extra[0][:100]!r} (it takes {', '.join(sorted(known))})"}}
+                          "message": f"{tool.mcp_name} takes no argument {extra[0][:100]!r} (it takes "
+                                     f"{', '.join(sorted(known))})"}}
     missing = [p.name for p in tool.params if p.required and p.name not in arguments]
     if missing:
         return {"error": {"code": "web_bad_argument", "message": f"{tool.mcp_name} needs {missing[0]!r}"}}
@@ -256,7 +260,8 @@ def call(tool_name: str, arguments: dict) -> dict:
         if os.environ.get("SLUICE_DEBUG"):
             traceback.print_exc(file=sys.stderr)
         return {"error": {"code": "web_internal_error", "exception": type(e).__name__,
-                          "message": f"{tool.mcp_name} failed with an internal error ({type(e).__name__}); this is a bug "
+                          "message": f"{tool.mcp_name} failed with an internal error ({type(e).__name__}); this is a "
+                                     "bug "
                                      "in the web tools, not something to retry another way (SLUICE_DEBUG=1 prints "
                                      "the traceback on stderr)"}}
 

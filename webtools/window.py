@@ -29,9 +29,11 @@ MAX_MAX_CHARS = 200_000
 def check_window_args(offset, max_chars) -> None:
     """Raise web_bad_offset / web_bad_argument for arguments no window takes."""
     if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
-        raise WebError("web_bad_offset", f"offset must be a non-negative whole number (got {offset!r}); start with offset=0")
+        raise WebError("web_bad_offset",
+                       f"offset must be a non-negative whole number (got {offset!r}); start with offset=0")
     if isinstance(max_chars, bool) or not isinstance(max_chars, int) or not 1 <= max_chars <= MAX_MAX_CHARS:
-        raise WebError("web_bad_argument", f"max_chars must be a whole number from 1 to {MAX_MAX_CHARS} (got {max_chars!r})")
+        raise WebError("web_bad_argument",
+                       f"max_chars must be a whole number from 1 to {MAX_MAX_CHARS} (got {max_chars!r})")
 
 
 def window(content: str, offset: int = 0, max_chars: int = DEFAULT_MAX_CHARS) -> dict:

@@ -48,7 +48,8 @@ def test_no_answers_fails_closed():
 def test_ports_schemes_credentials():
     assert check_request(RULES, Destination("public.example", 8080, "http", "GET")).refusal.reason == "port_not_allowed"
     assert check_request(RULES, Destination("public.example", 21, "ftp", "GET")).refusal.reason == "scheme_not_allowed"
-    assert check_request(RULES, Destination("public.example", 80, "http", "GET", has_credentials=True)).refusal.reason == "url_credentials"
+    assert check_request(RULES, Destination("public.example", 80, "http", "GET",
+                                            has_credentials=True)).refusal.reason == "url_credentials"
     assert check_request(RULES, Destination("public.example", 0, "http", "GET")).refusal.reason == "port_not_allowed"
 
 
@@ -76,7 +77,8 @@ def test_internal_name_only_with_an_exact_allow_entry_and_opened_address():
 
 def test_allow_deny_and_report_mode():
     # (an allow CIDR nothing opens would be a load error: private_networks opens half of it)
-    r = rules('allow: ["**.example.org", "203.0.113.0/24"]\ndeny: [bad.example.org]\nprivate_networks: ["203.0.113.128/25"]\n')
+    r = rules('allow: ["**.example.org", "203.0.113.0/24"]\ndeny: [bad.example.org]\nprivate_networks: '
+              '["203.0.113.128/25"]\n')
     assert check_request(r, Destination("www.example.org", 443, "https", "GET")).needs_dns
     assert check_request(r, Destination("bad.example.org", 443, "https", "GET")).refusal.reason == "host_denied"
     # with CIDRs on the allow list, a name off it is decided by its answers
@@ -85,7 +87,8 @@ def test_allow_deny_and_report_mode():
     assert check_answers(r, p, ["8.8.8.8"]).refusal.reason == "host_not_allowed"
     assert check_answers(r, p, ["203.0.113.9"]).refusal.reason == "dns_answer_not_public"  # TEST-NET stays refused
     names_only = rules('allow: ["**.example.org"]\n')
-    assert check_request(names_only, Destination("example.com", 443, "https", "GET")).refusal.reason == "host_not_allowed"
+    assert check_request(names_only,
+                         Destination("example.com", 443, "https", "GET")).refusal.reason == "host_not_allowed"
     report = rules('action: report\nallow: ["**.example.org"]\nmethods: [GET]\n')
     d = check_request(report, Destination("example.com", 443, "https", "POST"))
     assert d.allowed and d.needs_dns and d.would_refuse.reason in ("method_not_allowed", "host_not_allowed")

@@ -187,6 +187,7 @@ def test_malformed_hosts_are_refused(text):
 
 
 @pytest.mark.parametrize("text,name", [("Example.COM.", "example.com"), ("bücher.de", "xn--bcher-kva.de"),
-                                       ("ＥＸＡＭＰＬＥ．ｃｏｍ", "example.com"), ("_dmarc.example.com", "_dmarc.example.com")])
+                                       ("ＥＸＡＭＰＬＥ．ｃｏｍ", "example.com"),
+                                       ("_dmarc.example.com", "_dmarc.example.com")])
 def test_names_are_normalised(text, name):
     assert parse_host(text) == NameHost(name)

@@ -199,7 +199,8 @@ class VhostOrigin:
                     continue
                 writer.write(
                     b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nX-Vhost: %s\r\nContent-Length: %d\r\n%s\r\n"
-                    % ((vhost or "-").encode("latin-1", "replace"), len(body), b"Connection: close\r\n" if close else b"")
+                    % ((vhost or "-").encode("latin-1", "replace"), len(body), b"Connection: close\r\n" if close
+                       else b"")
                     + (b"" if method == "HEAD" else body)
                 )
                 await writer.drain()

@@ -131,7 +131,8 @@ class HeldTransfer:
         self.done = threading.Event()
         url = f"http://public.example:{origin.port}/hold"
         self.sock = socket.create_connection(proxy.address, timeout=60)
-        self.sock.sendall(f"GET {url} HTTP/1.1\r\nHost: public.example:{origin.port}\r\nConnection: close\r\n\r\n".encode())
+        self.sock.sendall(f"GET {url} HTTP/1.1\r\nHost: public.example:{origin.port}\r\nConnection: "
+                          "close\r\n\r\n".encode())
         threading.Thread(target=self._read, daemon=True).start()
         assert origin.started.acquire(timeout=10), "the origin never got the request"
 
@@ -226,7 +227,8 @@ def test_refusals_and_caps_move(proxy):
     r = absolute_form(proxy.address, "http://public.example/bytes/10000")
     assert r.status == 502 or r.status is None or len(r.body) < 10000
     after = wait_metric(proxy, "sluice_caps_tripped_total",
-                        value(before, "sluice_caps_tripped_total", kind="response_too_large") + 1, kind="response_too_large")
+                        value(before, "sluice_caps_tripped_total", kind="response_too_large") + 1,
+                        kind="response_too_large")
     assert value(after, "sluice_requests_total", reason="response_too_large", decision="refuse") >= 1
 
 
@@ -377,7 +379,8 @@ def test_admin_off(sluice_factory):
 def run_proxy(tmp_path, *args: str) -> subprocess.CompletedProcess:
     policy = tmp_path / "p.yaml"
     policy.write_text(yaml.safe_dump(default_policy()))
-    return subprocess.run([sluice_executable(), "proxy", "--policy", str(policy), "--audit-log", str(tmp_path / "a.jsonl"),
+    return subprocess.run([sluice_executable(), "proxy", "--policy", str(policy), "--audit-log",
+                           str(tmp_path / "a.jsonl"),
                            "--ca-dir", str(tmp_path / "ca"), *args],
                           capture_output=True, text=True, timeout=60, cwd=tmp_path)
 
@@ -443,7 +446,8 @@ def worker_of(local_port: int, workers: list[int]) -> int | None:
 def test_workers_serve_one_aggregated_endpoint(sluice_factory, origin):
     from test_workers import children_of
 
-    proxy = sluice_factory(drain_policy(origin), name="w2", extra_args=("--workers", "2", "--set", "sluice_policy_poll=0"))
+    proxy = sluice_factory(drain_policy(origin), name="w2",
+                           extra_args=("--workers", "2", "--set", "sluice_policy_poll=0"))
     workers = children_of(proxy.proc.pid)
     assert len(workers) == 2
     for pid in workers:  # the supervisor alone serves the admin endpoint

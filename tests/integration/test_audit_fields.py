@@ -68,7 +68,8 @@ def request(proxy, auth: str = "") -> tuple[int, str]:
 
 
 def line_of(proxy, client: str, event: str = "request") -> dict:
-    return proxy.wait_audit(lambda e: e["client"] == client and e["event"] == event, what=f"a {event} line for {client}")
+    return proxy.wait_audit(lambda e: e["client"] == client and e["event"] == event,
+                            what=f"a {event} line for {client}")
 
 
 def test_user_names_who_authenticated_or_was_refused(proxy):
@@ -97,7 +98,8 @@ def test_a_plain_tunnel_line_carries_its_connects_id(proxy):
     ids = []
     for _ in range(2):
         c = Conn(proxy)
-        r = c.send("CONNECT public.example:443 HTTP/1.1\r\nHost: public.example:443\r\n" + basic("alice", "right") + "\r\n",
+        r = c.send("CONNECT public.example:443 HTTP/1.1\r\nHost: public.example:443\r\n" + basic("alice", "right")
+                   + "\r\n",
                    method="CONNECT", connect=True)
         assert r.status == 200
         c.close()
@@ -108,7 +110,8 @@ def test_a_plain_tunnel_line_carries_its_connects_id(proxy):
 
     # A refused CONNECT's own line: the same two fields.
     c = Conn(proxy)
-    r = c.send("CONNECT public.example:8443 HTTP/1.1\r\nHost: public.example:8443\r\n\r\n", method="CONNECT", connect=True)
+    r = c.send("CONNECT public.example:8443 HTTP/1.1\r\nHost: public.example:8443\r\n\r\n", method="CONNECT",
+               connect=True)
     assert r.status == 403
     c.close()
     e = line_of(proxy, c.name, "connect")
@@ -146,6 +149,7 @@ def test_time_is_rfc3339_utc_with_milliseconds(proxy):
     after = datetime.datetime.now(datetime.UTC)
     assert RFC3339_MS.match(e["time"]), e["time"]
     when = datetime.datetime.fromisoformat(e["time"].replace("Z", "+00:00"))
-    assert before - datetime.timedelta(seconds=1) <= when <= after + datetime.timedelta(seconds=1), (before, when, after)
+    slack = datetime.timedelta(seconds=1)
+    assert before - slack <= when <= after + slack, (before, when, after)
     for line in proxy.audit():  # every kind of line written so far
         assert RFC3339_MS.match(line["time"]), line

@@ -101,7 +101,8 @@ class Client:
     """One client connection from a chosen source address."""
 
     def __init__(self, address: tuple[str, int], source: str):
-        self.sock: socket.socket | ssl.SSLSocket = socket.create_connection(address, timeout=15, source_address=(source, 0))
+        self.sock: socket.socket | ssl.SSLSocket = socket.create_connection(address, timeout=15,
+                                                                            source_address=(source, 0))
         self.raw = self.sock
         self.name = f"{source}:{self.sock.getsockname()[1]}"
         self.reader = _Reader(self.sock)
@@ -202,7 +203,8 @@ def _regular_proxy_loop(c, p, x):
 
 def _regular_too_large(c, p, x):
     body = b"x" * 5000
-    r = http(c, b"POST http://public.example/ HTTP/1.1\r\nHost: public.example\r\nContent-Length: 5000\r\n\r\n" + body, "POST")
+    r = http(c, b"POST http://public.example/ HTTP/1.1\r\nHost: public.example\r\nContent-Length: 5000\r\n\r\n" + body,
+             "POST")
     assert r.status == 413, r
     return 413
 
@@ -320,7 +322,8 @@ CASES = {
     "http-address_not_public": Case(MAIN, _regular_refused("10.0.0.1"), refuse("address_not_public")),
     "http-host_not_allowed": Case(STRICT, _regular_refused("one.example"), refuse("host_not_allowed")),
     "http-port_not_allowed": Case(MAIN, _regular_refused("public.example:8080"), refuse("port_not_allowed")),
-    "http-method_not_allowed": Case(STRICT, _regular_refused("public.example", method="DELETE"), refuse("method_not_allowed")),
+    "http-method_not_allowed": Case(STRICT, _regular_refused("public.example", method="DELETE"),
+                                    refuse("method_not_allowed")),
     "http-client_unknown": Case(UNKNOWN, _regular_refused("public.example", status=407), refuse("client_unknown")),
     "http-request_too_large": Case(CAPPED, _regular_too_large, refuse("request_too_large")),
     "http-bad_request-cl-te": Case(MAIN, _bad(CL_TE), refuse("bad_request")),
@@ -335,7 +338,8 @@ CASES = {
     "connect-address_not_public": Case(MAIN, _connect_answer("10.0.0.1:443"), refuse("address_not_public")),
     "connect-host_not_allowed": Case(STRICT, _connect_answer("one.example:443"), refuse("host_not_allowed")),
     "connect-port_not_allowed": Case(MAIN, _connect_answer("public.example:8080"), refuse("port_not_allowed")),
-    "connect-client_unknown": Case(UNKNOWN, _connect_answer("public.example:443", status=407), refuse("client_unknown")),
+    "connect-client_unknown": Case(UNKNOWN, _connect_answer("public.example:443", status=407),
+                                   refuse("client_unknown")),
     "connect-tunnel_too_large": Case(CAPPED, _connect_too_large, refuse("tunnel_too_large")),
     "connect-bad_request": Case(MAIN, _connect_bad, refuse("bad_request")),
     "connect-proxy_loop": Case(MAIN, _connect_proxy_loop, refuse("proxy_loop")),
@@ -343,7 +347,8 @@ CASES = {
     "intercept-allowed": Case(MAIN, _intercepted(b"GET / HTTP/1.1\r\nHost: example.com\r\n\r\n", 200), ALLOW + ALLOW),
     "intercept-no-request": Case(MAIN, _intercepted(None), ALLOW),
     "intercept-method_not_allowed": Case(
-        STRICT, _intercepted(b"DELETE / HTTP/1.1\r\nHost: example.com\r\n\r\n", 403), ALLOW + refuse("method_not_allowed")),
+        STRICT, _intercepted(b"DELETE / HTTP/1.1\r\nHost: example.com\r\n\r\n", 403), ALLOW
+        + refuse("method_not_allowed")),
     "intercept-host_mismatch": Case(
         MAIN, _intercepted(b"GET / HTTP/1.1\r\nHost: public.example\r\n\r\n", 403), ALLOW + refuse("host_mismatch")),
     "intercept-bad_request": Case(
@@ -354,15 +359,19 @@ CASES = {
     "socks-allowed": Case(MAIN, _socks_allowed, ALLOW, socks=True),
     "socks-address_not_public": Case(MAIN, _socks_refused("10.0.0.1", 80), refuse("address_not_public"), socks=True),
     "socks-host_not_allowed": Case(STRICT, _socks_refused("one.example", 80), refuse("host_not_allowed"), socks=True),
-    "socks-port_not_allowed": Case(MAIN, _socks_refused("public.example", 8080), refuse("port_not_allowed"), socks=True),
+    "socks-port_not_allowed": Case(MAIN, _socks_refused("public.example", 8080), refuse("port_not_allowed"),
+                                   socks=True),
     "socks-client_unknown": Case(UNKNOWN, _socks_refused("public.example", 80), refuse("client_unknown"), socks=True),
     "socks-tunnel_too_large": Case(CAPPED, _socks_too_large, refuse("tunnel_too_large"), socks=True),
     "socks-proxy_loop": Case(MAIN, _socks_proxy_loop, refuse("proxy_loop"), socks=True),
     "socks-bind": Case(MAIN, _socks_command(2), refuse("client_protocol_refused"), socks=True),
     "socks-udp_associate": Case(MAIN, _socks_command(3), refuse("client_protocol_refused"), socks=True),
-    "socks4": Case(MAIN, _socks_raw(b"\x04\x01\x00\x50\x08\x08\x08\x08agent\x00"), refuse("client_protocol_refused"), socks=True),
-    "socks-garbage": Case(MAIN, _socks_raw(b"GET / HTTP/1.1\r\nHost: public.example\r\n\r\n"), refuse("client_protocol_refused"), socks=True),
-    "socks-bad-address-type": Case(MAIN, _socks_raw(b"\x05\x01\x00" + b"\x05\x01\x00\x09\x00\x50"), refuse("client_protocol_refused"), socks=True),
+    "socks4": Case(MAIN, _socks_raw(b"\x04\x01\x00\x50\x08\x08\x08\x08agent\x00"), refuse("client_protocol_refused"),
+                   socks=True),
+    "socks-garbage": Case(MAIN, _socks_raw(b"GET / HTTP/1.1\r\nHost: public.example\r\n\r\n"),
+                          refuse("client_protocol_refused"), socks=True),
+    "socks-bad-address-type": Case(MAIN, _socks_raw(b"\x05\x01\x00" + b"\x05\x01\x00\x09\x00\x50"),
+                                   refuse("client_protocol_refused"), socks=True),
 }
 
 

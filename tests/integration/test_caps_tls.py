@@ -110,7 +110,8 @@ class SpecialOrigin:
         path, _, query = target.partition("?")
         if path.startswith("/stream/"):  # chunked, no Content-Length
             total = int(path.split("/")[2])
-            writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nContent-Type: application/octet-stream\r\n\r\n")
+            writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nContent-Type: "
+                         b"application/octet-stream\r\n\r\n")
             chunk = b"x" * (64 * 1024)
             sent = 0
             while sent < total:
@@ -149,12 +150,14 @@ class SpecialOrigin:
             from urllib.parse import unquote
 
             location = unquote(location)
-            writer.write(f"HTTP/1.1 302 Found\r\nLocation: {location}\r\nContent-Length: 5\r\n\r\nmoved".encode("latin-1"))
+            writer.write(f"HTTP/1.1 302 Found\r\nLocation: {location}\r\nContent-Length: "
+                         "5\r\n\r\nmoved".encode("latin-1"))
             await writer.drain()
             return True
         body = json.dumps({"path": target, "host": headers.get("host"), "body_len": body_len,
                            "headers": sorted(headers)}).encode()
-        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body)
+                     + body)
         await writer.drain()
         return True
 

@@ -761,7 +761,8 @@ def test_audit_refused(proxy):
     attempt(proxy, "connect", "metadata.google.internal", port=443)
     e = proxy.wait_audit(lambda e: e.get("decision") == "refuse", since=mark)
     _check_fields(e)
-    assert (e["host"], e["port"], e["reason"], e["address"]) == ("metadata.google.internal", 443, "internal_hostname", None), e
+    assert (e["host"], e["port"], e["reason"], e["address"]) == \
+        ("metadata.google.internal", 443, "internal_hostname", None), e
 
     mark = proxy.audit_mark()
     attempt(proxy, "socks5", "kubernetes.default.svc", port=443)

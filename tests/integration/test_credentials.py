@@ -95,7 +95,8 @@ class RecordingOrigin:
 
         async def serve():
             self.servers = [
-                await asyncio.start_server(lambda r, w: self._handle(r, w, TLS_PORT), ORIGIN_IP, TLS_PORT, ssl=self.server_ctx),
+                await asyncio.start_server(lambda r, w: self._handle(r, w, TLS_PORT), ORIGIN_IP, TLS_PORT,
+                                           ssl=self.server_ctx),
                 await asyncio.start_server(lambda r, w: self._handle(r, w, PLAIN_PORT), ORIGIN_IP, PLAIN_PORT),
             ]
         asyncio.run_coroutine_threadsafe(serve(), self.loop).result(10)
@@ -141,7 +142,8 @@ class RecordingOrigin:
                     writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nX-Origin: yes\r\n"
                                  b"Content-Length: %d\r\n\r\n" % len(body) + body)
                 await writer.drain()
-        except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError, OSError, ssl.SSLError, ValueError):
+        except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError, OSError, ssl.SSLError,
+                ValueError):
             return
         finally:
             writer.close()
@@ -228,7 +230,8 @@ def test_the_header_arrives_with_the_files_value_replacing_the_clients(proxy, or
 
 def test_the_header_is_replaced_whatever_its_case_or_count(proxy, origin, sluice_ca):
     tunnel = tls_tunnel(proxy, sluice_ca, API)
-    r = send(tunnel.reader, tunnel.sock, f"GET /x HTTP/1.1\r\nHost: {API}:{TLS_PORT}\r\nx-api-key: a\r\nX-API-KEY: b\r\n\r\n")
+    r = send(tunnel.reader, tunnel.sock,
+             f"GET /x HTTP/1.1\r\nHost: {API}:{TLS_PORT}\r\nx-api-key: a\r\nX-API-KEY: b\r\n\r\n")
     tunnel.close()
     assert r.status == 200
     [seen] = origin.seen(API)
@@ -322,7 +325,8 @@ def test_domain_fronting_by_sni_or_absolute_form_never_carries_it(proxy, origin,
         tunnel.close()
     # An absolute-form target naming the credentials host inside other's tunnel.
     tunnel = tls_tunnel(proxy, sluice_ca, OTHER)
-    r = send(tunnel.reader, tunnel.sock, f"GET https://{API}:{TLS_PORT}/abs HTTP/1.1\r\nHost: {OTHER}:{TLS_PORT}\r\n\r\n")
+    r = send(tunnel.reader, tunnel.sock,
+             f"GET https://{API}:{TLS_PORT}/abs HTTP/1.1\r\nHost: {OTHER}:{TLS_PORT}\r\n\r\n")
     tunnel.close()
     assert r.status == 403 and r.sluice_reason == "host_mismatch", r
     assert origin.seen() == []
@@ -399,7 +403,8 @@ def test_a_changed_secret_file_is_used_without_a_restart(reloading, origin, slui
     mark = proxy.audit_mark()
     write_atomically(secret, NEW_SECRET + "\n")
     assert wait_for(lambda: sent_key(proxy, ca, origin) == [NEW_SECRET])
-    proxy.wait_audit(lambda e: e["event"] == "reload" and e["decision"] == "ok" and str(secret) in e["detail"], since=mark)
+    proxy.wait_audit(lambda e: e["event"] == "reload" and e["decision"] == "ok" and str(secret) in e["detail"],
+                     since=mark)
     # In place, not by rename (an editor that truncates and writes).
     secret.write_text(SECRET + "\n")
     assert wait_for(lambda: sent_key(proxy, ca, origin) == [SECRET])

@@ -391,7 +391,8 @@ def _origin_requests(origins: dict, net) -> int:
 
 @pytest.fixture(scope="module")
 def origin_set(origins, tls_ca, sluice_home):
-    return {**origins, "cafile": tls_ca.cafile, "sluice_ca": str(sluice_home / ".sluice" / "ca" / "mitmproxy-ca-cert.pem")}
+    return {**origins, "cafile": tls_ca.cafile,
+            "sluice_ca": str(sluice_home / ".sluice" / "ca" / "mitmproxy-ca-cert.pem")}
 
 
 # ---- the test ------------------------------------------------------------------------------

@@ -88,7 +88,8 @@ class UpgradeOrigin:
                         await writer.drain()
                     return
                 out = json.dumps({"body": body}).encode()
-                writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(out) + out)
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n"
+                             % len(out) + out)
                 await writer.drain()
         except (asyncio.IncompleteReadError, ConnectionError, OSError, ssl.SSLError, ValueError):
             return
@@ -168,7 +169,8 @@ def _clean(origin):
 
 def policy(**overrides) -> dict:
     p = default_policy(ports=[80, 443, PLAIN, TLS, H2])
-    p["limits"] = {"max_request_bytes": "1MiB", "tunnel_max_bytes": "1MiB", "tunnel_max_seconds": "3s", "request_timeout": "10s"}
+    p["limits"] = {"max_request_bytes": "1MiB", "tunnel_max_bytes": "1MiB", "tunnel_max_seconds": "3s",
+                   "request_timeout": "10s"}
     p.update(overrides)
     return p
 
@@ -265,7 +267,8 @@ addons = [RewriteAfterTheGate()]
 
 
 @pytest.mark.parametrize("target", ["169.254.169.254", "10.0.0.1", "canary.internal.test"])
-def test_a_dial_the_gate_did_not_approve_is_refused_before_connecting(tmp_path, net, fake_dns, sluice_home, canaries, target):
+def test_a_dial_the_gate_did_not_approve_is_refused_before_connecting(tmp_path, net, fake_dns, sluice_home,
+                                                                      canaries, target):
     """Force a mismatch: an addon running after the gate rewrites the address
     it approved. The dial check refuses it before any SYN (canaries see
     nothing), names never reach the OS resolver, and it is audited."""
@@ -329,7 +332,8 @@ def test_an_upgrade_to_anything_but_websocket_is_refused(proxy, origin):
 
 
 def test_an_unasked_101_from_the_origin_is_refused(proxy, origin):
-    s, head = _raw(proxy, f"GET http://upgrade.example.com:{PLAIN}/switch HTTP/1.1\r\nHost: upgrade.example.com:{PLAIN}\r\n\r\n".encode())
+    s, head = _raw(proxy, f"GET http://upgrade.example.com:{PLAIN}/switch HTTP/1.1\r\nHost: "
+                          f"upgrade.example.com:{PLAIN}\r\n\r\n".encode())
     try:
         s.sendall(b"x" * 65536)
         time.sleep(0.3)
@@ -423,7 +427,8 @@ def test_absolute_form_with_another_host_header_reaches_only_the_url_host(proxy,
     """RFC 9112 3.2.2: the proxy replaces the Host header with the URL's host,
     so an origin serving several virtual hosts on one IP sees the one decided on."""
     origin = net.origin("8.8.8.8", 80)
-    s, head = _raw(proxy, b"GET http://public.example/fronted HTTP/1.1\r\nHost: other.example\r\nConnection: close\r\n\r\n")
+    s, head = _raw(proxy,
+                   b"GET http://public.example/fronted HTTP/1.1\r\nHost: other.example\r\nConnection: close\r\n\r\n")
     s.close()
     assert head.startswith(b"HTTP/1.1 200"), head
     seen = [r for r in origin.requests if r.path == "/fronted"]
@@ -538,7 +543,8 @@ def test_a_dial_back_to_a_wildcard_listener_through_the_hosts_own_address_is_ref
     proc.start()
     try:
         mark = proc.audit_mark()
-        s, head = _raw(proc, f"GET http://8.8.8.8:{port}/loop HTTP/1.1\r\nHost: 8.8.8.8:{port}\r\nConnection: close\r\n\r\n".encode())
+        s, head = _raw(proc, f"GET http://8.8.8.8:{port}/loop HTTP/1.1\r\nHost: 8.8.8.8:{port}\r\nConnection: "
+                             "close\r\n\r\n".encode())
         s.close()
         # What it is (addons/own_host.py): a 403 proxy_loop and a refuse line, not a 502.
         assert head.startswith(b"HTTP/1.1 403") and b"Sluice-Reason: proxy_loop" in head, head[:200]

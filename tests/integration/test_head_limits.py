@@ -96,7 +96,8 @@ def closed_after(reader: _Reader) -> bool:
 
 
 def head_refusal(proxy, mark, reason: str, status: int) -> dict:
-    return proxy.wait_audit(lambda e: e["reason"] == reason and e["status"] == status, since=mark, what=f"a {reason} line")
+    return proxy.wait_audit(lambda e: e["reason"] == reason and e["status"] == status, since=mark,
+                            what=f"a {reason} line")
 
 
 # ---- size ---------------------------------------------------------------------
@@ -120,7 +121,8 @@ def test_endless_header_is_cut_with_431(proxy, net):
 
 
 def test_whole_head_over_the_cap_in_one_write_is_refused(proxy, net):
-    raw = b"GET http://public.example/ HTTP/1.1\r\nHost: public.example\r\nX-Big: " + b"a" * (MAX_BYTES + 100) + b"\r\n\r\n"
+    raw = (b"GET http://public.example/ HTTP/1.1\r\nHost: public.example\r\nX-Big: " + b"a" * (MAX_BYTES + 100)
+           + b"\r\n\r\n")
     sock = open_socket(proxy.address)
     sock.sendall(raw)
     response = read_response(_Reader(sock))
@@ -130,7 +132,8 @@ def test_whole_head_over_the_cap_in_one_write_is_refused(proxy, net):
 
 
 def test_head_under_the_cap_passes(proxy, net):
-    raw = b"GET http://public.example/big HTTP/1.1\r\nHost: public.example\r\nX-Big: " + b"a" * (MAX_BYTES - 200) + b"\r\n\r\n"
+    raw = (b"GET http://public.example/big HTTP/1.1\r\nHost: public.example\r\nX-Big: " + b"a" * (MAX_BYTES - 200)
+           + b"\r\n\r\n")
     sock = open_socket(proxy.address)
     sock.sendall(raw)
     response = read_response(_Reader(sock))

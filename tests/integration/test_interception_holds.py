@@ -577,7 +577,8 @@ def test_proxy_authorization_from_curl_never_reaches_the_origin(proxy, origin, s
 
 def test_proxy_authorization_from_httpx_never_reaches_the_origin(proxy, origin, sluice_ca):
     creds_proxy = f"http://sluice:proxy-secret@{proxy.host}:{proxy.port}"
-    with httpx.Client(proxy=creds_proxy, verify=ssl.create_default_context(cafile=sluice_ca), trust_env=False, timeout=10) as c:
+    with httpx.Client(proxy=creds_proxy, verify=ssl.create_default_context(cafile=sluice_ca), trust_env=False,
+                      timeout=10) as c:
         assert c.get(f"http://{A}:{PLAIN_PORT}/httpx-plain", headers={"Cookie": COOKIE}).status_code == 200
         r = c.get(f"https://{A}:{TLS_PORT}/httpx-tls", headers={"Proxy-Authorization": PROXY_AUTH, "Cookie": COOKIE})
         assert r.status_code == 200 and r.json()["vhost"] == A

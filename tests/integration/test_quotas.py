@@ -181,7 +181,8 @@ def test_max_connections_refuses_the_extra_connection_not_the_others(proxy):
 
 
 def test_per_host_limits_apply_per_host(proxy):
-    assert [_get(proxy, HOSTS, "http://8.8.8.8/h/1").status, _get(proxy, HOSTS, "http://8.8.8.8/h/2").status] == [200, 200]
+    statuses = [_get(proxy, HOSTS, "http://8.8.8.8/h/1").status, _get(proxy, HOSTS, "http://8.8.8.8/h/2").status]
+    assert statuses == [200, 200]
     over = _get(proxy, HOSTS, "http://8.8.8.8/h/3")
     assert over.status == 429 and over.sluice_reason == "host_rate_limited", over
     assert 1 <= _retry_after(over) <= 30  # one more every 30 s
@@ -223,7 +224,8 @@ def _post(proxy, path: str, body: bytes, *, chunked: bool = False):
     framing = "Transfer-Encoding: chunked" if chunked else f"Content-Length: {len(body)}"
     payload = b"%x\r\n%s\r\n0\r\n\r\n" % (len(body), body) if chunked else body
     with _connect(proxy, UPLOADS) as s:
-        s.sendall(f"POST http://8.8.8.8{path} HTTP/1.1\r\nHost: 8.8.8.8\r\n{framing}\r\nConnection: close\r\n\r\n".encode())
+        s.sendall(f"POST http://8.8.8.8{path} HTTP/1.1\r\nHost: 8.8.8.8\r\n{framing}\r\nConnection: "
+                  "close\r\n\r\n".encode())
         try:
             s.sendall(payload)
         except OSError:
@@ -302,7 +304,8 @@ def test_socks5_gets_its_refusal_reply(proxy):
     rep, sock = _socks(proxy, SOCKS_RATE)
     assert rep == 2 and sock is None  # "connection not allowed by ruleset"
     line = proxy.wait_audit(lambda e: e["reason"] == "rate_limited", since=mark)
-    assert (line["event"], line["decision"], line["profile"], line["host"]) == ("connect", "refuse", "socks-rate", "8.8.8.8")
+    assert (line["event"], line["decision"], line["profile"], line["host"]) == \
+        ("connect", "refuse", "socks-rate", "8.8.8.8")
     assert "rate limit of 0.2 requests a second" in line["detail"]
 
 

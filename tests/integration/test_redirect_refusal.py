@@ -222,7 +222,8 @@ class RedirectOrigin:
             elif path == "/empty":
                 conn.send_headers(sid, [(":status", "302"), *moved, ("content-length", "0")], end_stream=True)
             elif path == "/cl":
-                conn.send_headers(sid, [(":status", "302"), *moved, ("content-length", str(len(MOVED)))], end_stream=head)
+                conn.send_headers(sid, [(":status", "302"), *moved, ("content-length", str(len(MOVED)))],
+                                  end_stream=head)
                 if not head:
                     conn.send_data(sid, MOVED, end_stream=True)
             elif path in ("/chunked", "/close"):  # no length: DATA frames until END_STREAM
@@ -517,7 +518,8 @@ def short_proxy(sluice_factory, origin, tls_ca):
 
 
 @pytest.mark.parametrize("http2", [False, True], ids=["http1.1", "h2"])
-def test_intercepted_refusal_never_waits_past_request_timeout_for_a_stalled_origin(short_proxy, released, sluice_home, http2):
+def test_intercepted_refusal_never_waits_past_request_timeout_for_a_stalled_origin(short_proxy, released,
+                                                                                   sluice_home, http2):
     """Inside TLS only mitmproxy's layers can write to the client, and they
     finish a streamed response only when the origin's body ends. An origin
     that holds its 3xx body back cannot hold the client: at the policy's

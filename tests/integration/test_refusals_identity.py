@@ -109,7 +109,8 @@ def test_curl_ftp_through_the_proxy_gets_a_sluice_refusal(proxy, net):
     _no_origin_touched(net)
 
 
-@pytest.mark.parametrize("line", [b"GET ftp://public.example/file.txt HTTP/1.1", b"GET ftp://public.example:80/file.txt HTTP/1.1",
+@pytest.mark.parametrize("line", [b"GET ftp://public.example/file.txt HTTP/1.1",
+                                  b"GET ftp://public.example:80/file.txt HTTP/1.1",
                                   b"GET gopher://public.example/ HTTP/1.1"])
 def test_an_other_scheme_says_what_sluice_carries(proxy, net, line):
     mark = proxy.audit_mark()

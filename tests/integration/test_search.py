@@ -95,7 +95,8 @@ class Mock:
                 body = await reader.readexactly(int(headers.get("content-length", "0") or 0))
                 if "://" in target:
                     target = "/" + target.split("://", 1)[1].split("/", 1)[1]
-                host = headers.get("host", "").rsplit(":", 1)[0] if headers.get("host", "").count(":") == 1 else headers.get("host", "")
+                host = headers.get("host", "")
+                host = host.rsplit(":", 1)[0] if host.count(":") == 1 else host
                 path, _, query = target.partition("?")
                 req = {"host": host, "local": local, "method": method, "path": path, "query": parse_qs(query),
                        "headers": headers, "body": body}
@@ -141,8 +142,8 @@ class Mock:
                                                  "The provided subscription token is invalid.")), [], 0
             if q == "redirect":
                 return 302, "text/plain", b"", ["Location: https://html.duckduckgo.com/landing"], 0
-            if c := self.common(q, J, b'{"type": "search", "web": ', brave_error("RATE_LIMITED",
-                                                                                 "Request rate limit exceeded for plan")):
+            if c := self.common(q, J, b'{"type": "search", "web": ',
+                                brave_error("RATE_LIMITED", "Request rate limit exceeded for plan")):
                 return c
             if q == "empty":
                 return 200, J, jbody({"type": "search", "query": {"original": q}}), [], 0
@@ -166,8 +167,10 @@ class Mock:
             if host == "api.firecrawl.dev" and h.get("authorization") != f"Bearer {KEYS['firecrawl']}":
                 return 401, J, jbody({"success": False, "error": "Unauthorized: Invalid token"}), [], 0
             if body["query"] == "credits":
-                return 402, J, jbody({"success": False, "error": "Insufficient credits to perform this request."}), [], 0
-            if c := self.common(body["query"], J, b'{"success": true, "data": {', {"success": False, "error": "Rate limit exceeded"}):
+                return 402, J, jbody({"success": False,
+                                      "error": "Insufficient credits to perform this request."}), [], 0
+            if c := self.common(body["query"], J, b'{"success": true, "data": {',
+                                {"success": False, "error": "Rate limit exceeded"}):
                 return c
             return 200, J, jbody({"success": True, "data": {"web": [
                 {"url": u, "title": t, "description": s, "position": i + 1}
@@ -375,7 +378,8 @@ def test_provider_specific_errors(go):
     r = go(keyed("firecrawl"), "credits")
     assert code(r) == "search_provider_error" and r["error"]["status"] == 402
     r = go({"SEARXNG_URL": f"http://searx.example.com:{PLAIN}"}, "json-off")
-    assert code(r) == "search_provider_error" and r["error"]["status"] == 403 and "search.formats" in r["error"]["message"]
+    assert code(r) == "search_provider_error" and r["error"]["status"] == 403
+    assert "search.formats" in r["error"]["message"]
     r = go({}, "challenge")
     assert code(r) == "search_blocked" and r["error"]["status"] == 202, r
 
@@ -434,7 +438,8 @@ def test_private_provider_refused_then_opened_by_policy(go, mock, proxy_private)
 
 
 def test_proxy_refusing_a_provider_host(sluice_factory, go, mock):
-    strict = sluice_factory(default_policy(ports=[80, 443, PLAIN], allow=["api.search.brave.com"]), name="search-strict")
+    strict = sluice_factory(default_policy(ports=[80, 443, PLAIN], allow=["api.search.brave.com"]),
+                            name="search-strict")
     r = go(keyed("tavily"), via=strict)
     e = r.get("error", {})
     assert e.get("code") == "search_unreachable" and e["reason"] == "host_not_allowed" and e["by"] == "proxy", r

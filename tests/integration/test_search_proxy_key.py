@@ -116,7 +116,8 @@ class Mock:
                                               errors=[{"type": "missing", "loc": ["header", "x-subscription-token"],
                                                        "msg": "Field required"}]))
             if token != [KEYS["brave"]]:
-                return 422, jbody(brave_error("SUBSCRIPTION_TOKEN_INVALID", "The provided subscription token is invalid."))
+                return 422, jbody(brave_error("SUBSCRIPTION_TOKEN_INVALID",
+                                              "The provided subscription token is invalid."))
             q = r["query"]["q"][0]
             count = int(r["query"]["count"][0])
             return 200, jbody({"type": "search", "query": {"original": q}, "web": {"type": "search", "results": [

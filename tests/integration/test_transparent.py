@@ -18,7 +18,8 @@ import subprocess
 
 import pytest
 
-from harness.agentns import TRANSPARENT_RULES, AgentNamespace, missing_tools, nft, redirect_to_sluice, transparent_gateway
+from harness.agentns import (TRANSPARENT_RULES, AgentNamespace, missing_tools, nft, redirect_to_sluice,
+                             transparent_gateway)
 from harness.sluice import SluiceProcess, default_policy
 
 pytestmark = pytest.mark.netns

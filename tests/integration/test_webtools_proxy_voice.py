@@ -117,7 +117,8 @@ class ForgingOrigin:
                         fields = dict(event.headers)
                         status, extra, body = self._answer(fields.get(":path", "/"), fields)
                         conn.send_headers(event.stream_id, [
-                            (":status", str(status)), ("content-type", "text/plain"), ("content-length", str(len(body))),
+                            (":status", str(status)), ("content-type", "text/plain"),
+                            ("content-length", str(len(body))),
                             *[(k.strip().lower(), v.strip()) for k, _, v in (e.partition(":") for e in extra)]])
                         conn.send_data(event.stream_id, body, end_stream=True)
                 writer.write(conn.data_to_send())

@@ -30,7 +30,8 @@ def children_of(pid: int) -> list[int]:
 
 
 def test_workers_share_the_port_and_the_policy(sluice_factory):
-    proxy = sluice_factory(default_policy(), name="workers", extra_args=("--workers", "3", "--set", "sluice_policy_poll=0"))
+    proxy = sluice_factory(default_policy(), name="workers",
+                           extra_args=("--workers", "3", "--set", "sluice_policy_poll=0"))
     assert proxy.ready_line.endswith("[3 workers]")
     assert len(children_of(proxy.proc.pid)) == 3
     statuses = []

@@ -179,7 +179,8 @@ def get(url: str, host: str | None = None, close: bool = False) -> bytes:
     return f"GET {url} HTTP/1.1\r\nHost: {host}\r\n{extra}\r\n".encode()
 
 
-def connect_tunnel(address: tuple[str, int], authority: str, timeout: float = 15.0) -> tuple[Response, socket.socket | None, _Reader | None]:
+def connect_tunnel(address: tuple[str, int], authority: str,
+                   timeout: float = 15.0) -> tuple[Response, socket.socket | None, _Reader | None]:
     """CONNECT `authority`; on 200 return the open socket and its reader."""
     s = socket.create_connection(address, timeout=timeout)
     try:
@@ -195,7 +196,8 @@ def connect_tunnel(address: tuple[str, int], authority: str, timeout: float = 15
     return response, None, None
 
 
-def socks5(address: tuple[str, int], host: str, port: int, timeout: float = 15.0) -> tuple[int | None, socket.socket | None]:
+def socks5(address: tuple[str, int], host: str, port: int,
+           timeout: float = 15.0) -> tuple[int | None, socket.socket | None]:
     """SOCKS5 CONNECT by domain name. Returns (REP or None, socket when REP == 0)."""
     s = socket.create_connection(address, timeout=timeout)
     try:

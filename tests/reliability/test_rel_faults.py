@@ -457,7 +457,8 @@ def test_clients_disconnect_mid_request(fault_proxy, fault_origin):
         close(s)
         # 2. a head promising a body, and part of it
         s = socket.create_connection(fault_proxy.address, timeout=10)
-        s.sendall(b"POST http://public.example/body HTTP/1.1\r\nHost: public.example\r\nContent-Length: 1000\r\n\r\n0123456789")
+        s.sendall(b"POST http://public.example/body HTTP/1.1\r\nHost: public.example\r\nContent-Length: "
+                  b"1000\r\n\r\n0123456789")
         time.sleep(0.01)
         close(s)
         # 3. a whole request to an origin that does not answer; leave before it does
@@ -544,7 +545,8 @@ def test_abandoned_connections(sluice_factory, fake_dns):
             except OSError:
                 pass
     end = settle_fds(pid, base + FD_TOLERANCE, 20.0)
-    assert end <= base + FD_TOLERANCE, f"the proxy holds {end} fds after the abandoned connections closed, baseline {base}"
+    assert end <= base + FD_TOLERANCE, (f"the proxy holds {end} fds after the abandoned connections closed, baseline "
+                                        f"{base}")
     _assert_serving(proxy)
     _assert_no_tracebacks(proxy, mark)
 

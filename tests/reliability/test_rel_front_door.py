@@ -475,11 +475,13 @@ def test_fuzzed_first_bytes_on_the_proxy_port(fuzz_proxy, origin, net, canaries)
         protocol_refusals[0] += sum(1 for a in answers if a.sluice_reason == "client_protocol_refused")
         for a in answers:
             assert a.status is not None and a.status >= 400, f"{what}: {a}"
-            assert not a.body.startswith((b"canary ", b"pipe ok", b"origin ok")), f"{what}: an answer from behind the proxy: {a}"
+            assert not a.body.startswith((b"canary ", b"pipe ok",
+                                          b"origin ok")), f"{what}: an answer from behind the proxy: {a}"
             assert a.sluice_reason != "internal_error", f"{what}: {a}"
         if kind == "h2" and sent.startswith(H2_PREFACE[:18]):
             # The preface's request line and blank line: read as a request, refused, closed.
-            assert [(a.status, a.sluice_reason) for a in answers] == [(400, "client_protocol_refused")], f"{what}: {answers}"
+            assert [(a.status, a.sluice_reason)
+                    for a in answers] == [(400, "client_protocol_refused")], f"{what}: {answers}"
         if kind == "h2c" and answers:
             # A complete head asking for h2c: refused, by its destination or its upgrade.
             assert answers[0].status == 403 and answers[0].sluice_reason in (
@@ -663,9 +665,11 @@ def pipe_round(proxy, origin: PipeOrigin, name: str, flood: bool = False) -> lis
     over = {p: piped[p] for p in paths if piped[p] > TUNNEL_CAP}
     assert not over, f"the origin received more than the {TUNNEL_CAP}-byte cap: {over}"
     per_client = Counter(e["client"] for e in lines)
-    assert set(per_client) == set(clients) and set(per_client.values()) == {1}, f"tunnel lines per pipe: {dict(per_client)}"
+    assert set(per_client) == set(clients) and set(per_client.values()) == {1}, \
+        f"tunnel lines per pipe: {dict(per_client)}"
     if flood:  # cut by whichever direction passed the cap first
-        wrong = [e for e in lines if e["reason"] != "tunnel_too_large" or TUNNEL_CAP not in (e["bytes_out"], e["bytes_in"])
+        wrong = [e for e in lines if e["reason"] != "tunnel_too_large"
+                 or TUNNEL_CAP not in (e["bytes_out"], e["bytes_in"])
                  or not (0 <= e["bytes_out"] <= TUNNEL_CAP and 0 <= e["bytes_in"] <= TUNNEL_CAP)]
     else:  # cut by the client's bytes; what came back is the echo of what got through
         wrong = [e for e in lines if e["reason"] != "tunnel_too_large" or e["bytes_out"] != TUNNEL_CAP
@@ -690,7 +694,8 @@ def test_websocket_pipes_under_load_are_all_cut_at_the_cap(proxy, origin):
             pipe_round(proxy, origin, str(round_), flood=round_ % 2 == 1)
     elapsed = time.monotonic() - started
     rss_after = rss_kib(pid)
-    print(f"\nwebsocket pipes: {PIPE_ROUNDS * PIPES} pipes ({PIPES} at a time, each pushing up to {PIPE_PUSH // MIB} MiB) "
+    print(f"\nwebsocket pipes: {PIPE_ROUNDS * PIPES} pipes ({PIPES} at a time, each pushing up to {PIPE_PUSH // MIB} "
+          "MiB) "
           f"cut at {TUNNEL_CAP // KIB} KiB in {elapsed:.1f}s; RSS {rss_before} -> peak {peak.peak} -> {rss_after} KiB")
     top = max(peak.peak, rss_after)
     assert top - rss_before < PIPE_RSS_PEAK_KIB, f"RSS peaked {top - rss_before} KiB over the baseline"
@@ -881,7 +886,8 @@ def test_refused_uploads_under_load_are_never_buffered(proxy, net):
           f"RSS {rss_before} -> peak {peak.peak} -> {rss_after} KiB; fds {fds_before} -> {fds_after}")
     top = max(peak.peak, rss_after)
     assert top - rss_before < UPLOAD_RSS_GROWTH_KIB, \
-        f"RSS peaked {(top - rss_before) // 1024} MiB over the baseline while {total / MIB:.0f} MiB of refused bodies came in"
+        f"RSS peaked {(top - rss_before) // 1024} MiB over the baseline while {total / MIB:.0f} MiB of refused " \
+        "bodies came in"
     assert fds_after <= fds_before + FD_TOLERANCE, f"{fds_after} fds after the uploads, baseline {fds_before}"
     errors = proxy_errors(proxy, stderr_mark)
     assert not errors, "the proxy logged errors:\n" + "\n".join(errors[:40])

@@ -80,7 +80,8 @@ def hosts(draw) -> str:
     elif how == "prefix":
         base = draw(st.sampled_from(["@", "user@", "a:b@", "%31", "[", "http://", "//", "\\\\", "\t", " "])) + base
     elif how == "suffix":
-        base += draw(st.sampled_from([".", "..", "%00", "#", "?", "/", "\\", "@8.8.8.8", "@127.0.0.1", " ", "\t", "%2e"]))
+        base += draw(st.sampled_from([".", "..", "%00", "#", "?", "/", "\\", "@8.8.8.8", "@127.0.0.1", " ", "\t",
+                                      "%2e"]))
     elif how == "userinfo":
         base = draw(st.sampled_from(HOSTS)) + "@" + base
     elif how == "join":
@@ -221,7 +222,8 @@ def _check_proxy_after(proxy, stderr_mark: int, audit_mark: int, *, connection_c
     # reading of the IANA registries; Sluice's table is stricter still). A
     # fuzzed public literal outside the namespace is allowed and fails to
     # connect (no route: only lo exists here).
-    allowed = {e.get("address") for e in proxy.audit()[audit_mark:] if e.get("decision") == "allow" and e.get("address")}
+    allowed = {e.get("address") for e in proxy.audit()[audit_mark:] if e.get("decision") == "allow"
+               and e.get("address")}
     not_global = {a for a in allowed if not ipaddress.ip_address(a).is_global}
     assert not not_global, f"fuzzed requests were allowed to non-public addresses {not_global}"
 
@@ -395,7 +397,8 @@ def policy_like(draw) -> dict:
         if key in ("limits", "dns"):
             doc[key] = draw(st.dictionaries(st.sampled_from(SUB_KEYS), st.one_of(SCALARS, STRUCTURED), max_size=5))
         elif key == "clients":
-            doc[key] = draw(st.lists(st.dictionaries(st.sampled_from(TOP_KEYS + SUB_KEYS), STRUCTURED, max_size=5), max_size=3))
+            doc[key] = draw(st.lists(st.dictionaries(st.sampled_from(TOP_KEYS + SUB_KEYS), STRUCTURED, max_size=5),
+                                     max_size=3))
         else:
             doc[key] = draw(st.one_of(st.lists(SCALARS, max_size=6), STRUCTURED))
     return doc
@@ -504,7 +507,8 @@ def test_atheris(target, tmp_path):
     args = []
     if target == "loader":
         dictionary = tmp_path / "yaml.dict"
-        dictionary.write_text("".join(f'kw{i}="{_libfuzzer_escape(t)}"\n' for i, t in enumerate(YAML_TOKENS + TOP_KEYS + SUB_KEYS)))
+        dictionary.write_text("".join(f'kw{i}="{_libfuzzer_escape(t)}"\n' for i,
+                                      t in enumerate(YAML_TOKENS + TOP_KEYS + SUB_KEYS)))
         args.append(f"-dict={dictionary}")
     env = dict(os.environ)
     p = subprocess.run(

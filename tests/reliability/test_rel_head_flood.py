@@ -120,7 +120,8 @@ def test_endless_headers_at_speed_are_cut_with_rss_flat(proxy):
 
     assert len(results) == CLIENTS * ROUNDS
     refused = [answer for _, answer in results if status_line(answer).startswith(b"HTTP/1.1 431 ")]
-    assert len(refused) == len(results), [status_line(a) for _, a in results if not status_line(a).startswith(b"HTTP/1.1 431 ")][:5]
+    assert len(refused) == len(results), [status_line(a) for _, a in results
+                                          if not status_line(a).startswith(b"HTTP/1.1 431 ")][:5]
     assert all(b"Sluice-Reason: request_headers_too_large" in a for a in refused)
     assert all(sent < FLOOD_LIMIT for sent, _ in results), "a connection was never cut"
     total = sum(sent for sent, _ in results)
@@ -203,7 +204,8 @@ def test_flood_pipelined_behind_a_pending_response_is_closed(proxy, fault_origin
     pid = proxy.proc.pid
     rss_before = rss_kib(pid)
     mark = proxy.audit_mark()
-    pending = b"GET http://%s:%d/hang HTTP/1.1\r\nHost: %s:%d\r\n\r\n" % (HANG_NAME.encode(), FAULT_PORT, HANG_NAME.encode(), FAULT_PORT)
+    pending = b"GET http://%s:%d/hang HTTP/1.1\r\nHost: %s:%d\r\n\r\n" % (HANG_NAME.encode(), FAULT_PORT,
+                                                                          HANG_NAME.encode(), FAULT_PORT)
     rounds = scaled(4, 16)
     for n in range(rounds):
         sock = open_socket(proxy.address, timeout=15)

@@ -23,7 +23,8 @@ import pytest
 
 from harness import default_policy
 from harness.clients import _Reader, read_response
-from relkit import KeepAlive, connect_tunnel, cpu_seconds, fd_targets, get, quiet_fds, rss_kib, scaled, settle_fds, wait_until
+from relkit import (KeepAlive, connect_tunnel, cpu_seconds, fd_targets, get, quiet_fds, rss_kib, scaled, settle_fds,
+                    wait_until)
 
 pytestmark = pytest.mark.netns
 

@@ -92,7 +92,8 @@ def _measure(proxy, seconds: float, tag: str) -> tuple[list[float], Counter]:
     return latencies, outcomes
 
 
-def _flood(proxy, stop: threading.Event, worker: int, outcomes: Counter, retry_afters: list, lock: threading.Lock) -> None:
+def _flood(proxy, stop: threading.Event, worker: int, outcomes: Counter, retry_afters: list,
+           lock: threading.Lock) -> None:
     attempt = worker
     while not stop.is_set():
         if worker < LONE_FLOODERS:
@@ -157,7 +158,8 @@ def test_login_flood_does_not_slow_other_clients(flood_proxy, net):
     # The flood was real: wrong passwords were hashed and refused, then throttled.
     assert flood_outcomes[(407, "client_unknown")] >= 20, flood_outcomes
     assert flood_outcomes[(407, "auth_throttled")] >= 1, flood_outcomes
-    assert set(flood_outcomes) <= {(407, "client_unknown"), (407, "auth_throttled"), (407, "auth_throttled (busy)")}, flood_outcomes
+    assert set(flood_outcomes) <= {(407, "client_unknown"), (407, "auth_throttled"),
+                                   (407, "auth_throttled (busy)")}, flood_outcomes
     assert retry_afters and all(v.isdigit() and int(v) >= 1 for v in retry_afters), retry_afters[:10]
     assert not any(req.path.startswith("/flood/") for req in origin.requests), "a wrong password reached the origin"
 

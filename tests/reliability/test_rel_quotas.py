@@ -90,7 +90,8 @@ def _well_behaved(proxy, source: str, seconds: float, tag: str, out: dict, lock:
 def _measure(proxy, seconds: float, tag: str) -> dict:
     out: dict = {}
     lock = threading.Lock()
-    threads = [threading.Thread(target=_well_behaved, args=(proxy, s, seconds, tag, out, lock), daemon=True) for s in GOOD]
+    threads = [threading.Thread(target=_well_behaved, args=(proxy, s, seconds, tag, out, lock), daemon=True)
+               for s in GOOD]
     for t in threads:
         t.start()
     for t in threads:

@@ -51,7 +51,8 @@ def into_closed_pipe(*args) -> subprocess.CompletedProcess:
 def test_version():
     result = sluice("--version")
     assert result.returncode == 0 and result.stderr == ""
-    assert result.stdout.startswith(f"sluice {metadata.version('sluice')} (mitmproxy {metadata.version('mitmproxy')}, Python ")
+    assert result.stdout.startswith(f"sluice {metadata.version('sluice')} (mitmproxy {metadata.version('mitmproxy')}, "
+                                    "Python ")
 
 
 @pytest.fixture
@@ -156,7 +157,8 @@ def test_workers_on_a_port_in_use(busy_port, tmp_path):
     result = sluice("proxy", "--policy", POLICY, "--listen", f"127.0.0.1:{busy_port}", "--workers", "2",
                     "--ca-dir", tmp_path / "ca", home=tmp_path)
     assert result.returncode == 2
-    assert result.stderr.startswith(f"sluice: 127.0.0.1:{busy_port} is already in use") and result.stderr.count("\n") == 1
+    assert result.stderr.startswith(f"sluice: 127.0.0.1:{busy_port} is already in "
+                                    "use") and result.stderr.count("\n") == 1
 
 
 def test_an_audit_log_in_a_missing_directory(tmp_path):
@@ -164,7 +166,8 @@ def test_an_audit_log_in_a_missing_directory(tmp_path):
     result = sluice("proxy", "--policy", POLICY, "--listen", "127.0.0.1:0", "--audit-log", audit,
                     "--ca-dir", tmp_path / "ca", home=tmp_path)
     assert result.returncode == 2
-    assert result.stderr == f"sluice: cannot open the audit log {audit}: No such file or directory (create the directory first)\n"
+    assert result.stderr == (f"sluice: cannot open the audit log {audit}: No such file or directory (create the "
+                             "directory first)\n")
 
 
 # ---- policy check's summary ---------------------------------------------------------

@@ -95,7 +95,8 @@ def test_verbose_lists_every_case(run):
     lines = result.out.splitlines()
     assert len(lines) == 11 and lines[-1] == "10 passed, 0 failed"
     assert lines[0] == f"{path}:1: ok: GET https://www.example.org/: allow [tunnel: the method is not visible]"
-    assert lines[1] == f"{path}:4: ok: several answers, one private: refuse (dns_answer_not_public) [tunnel: the method is not visible]"
+    assert lines[1] == (f"{path}:4: ok: several answers, one private: refuse (dns_answer_not_public) [tunnel: the "
+                        "method is not visible]")
     assert lines[4] == f"{path}:16: ok: GET http://searxng:8080/: allow"
 
 
@@ -116,17 +117,21 @@ def test_failures_print_one_line_each_and_exit_1(run, policy):
     path, result = run(cases)
     assert result.code == 1
     assert result.out.splitlines() == [
-        f"{path}:1: FAIL: GET https://example.com/: expected allow, got refuse (host_not_allowed) [tunnel: the method is not visible]: "
+        f"{path}:1: FAIL: GET https://example.com/: expected allow, got refuse (host_not_allowed) [tunnel: the method "
+        "is not visible]: "
         "example.com is not on this policy's allow list",
         f"{path}:3: FAIL: GET https://bad.example.org/: expected refuse (host_not_allowed), got refuse (host_denied) "
-        f"[tunnel: the method is not visible] [rule {policy}:3]: bad.example.org is denied by the rule 'bad.example.org'",
-        f"{path}:6: FAIL: GET https://www.example.org/: expected refuse, got allow [tunnel: the method is not visible] [rule {policy}:2]",
+        f"[tunnel: the method is not visible] [rule {policy}:3]: bad.example.org is denied by the rule "
+        "'bad.example.org'",
+        f"{path}:6: FAIL: GET https://www.example.org/: expected refuse, got allow [tunnel: the method is not visible] "
+        f"[rule {policy}:2]",
         "1 passed, 3 failed",
     ]
 
 
 def test_a_reason_on_an_allow_must_match_would_refuse(run):
-    cases = "- url: https://www.example.org/\n  resolve: {www.example.org: 1.1.1.1}\n  expect: allow\n  reason: host_denied\n"
+    cases = ("- url: https://www.example.org/\n  resolve: {www.example.org: 1.1.1.1}\n  expect: allow\n  reason: "
+             "host_denied\n")
     _, result = run(cases)
     assert result.code == 1 and "expected allow (host_denied), got allow" in result.out
 
@@ -147,25 +152,33 @@ def test_cases_never_touch_the_network(run):
         ("- https://example.com/\n", ["1:3: each case must be a mapping"]),
         ("- expect: allow\n", ["1:3: this case has no `url`"]),
         ("- url: http://8.8.8.8/\n", ["1:3: this case has no `expect`"]),
-        ("- url: http://8.8.8.8/\n  expcet: allow\n", ["1:3: this case has no `expect`", "2:3: unknown key 'expcet' in a case; did you mean 'expect'?"]),
+        ("- url: http://8.8.8.8/\n  expcet: allow\n",
+         ["1:3: this case has no `expect`", "2:3: unknown key 'expcet' in a case; did you mean 'expect'?"]),
         ("- url: http://8.8.8.8/\n  expect: allowed\n", ["2:11: expect must be 'allow' or 'refuse', not 'allowed'"]),
         ("- url: http://8.8.8.8/\n  expect: refuse\n  reason: host_not_alowed\n",
          ["3:11: 'host_not_alowed' is not a reason code; did you mean 'host_not_allowed'?"]),
-        ("- url: http://8.8.8.8/\n  expect: allow\n  client: nobody\n", ["3:11: client: no client profile named 'nobody'"]),
+        ("- url: http://8.8.8.8/\n  expect: allow\n  client: nobody\n",
+         ["3:11: client: no client profile named 'nobody'"]),
         ("- url: example.com\n  expect: allow\n", ["1:8: url: 'example.com' is not an absolute URL"]),
         ("- url: 42\n  expect: allow\n", ["1:8: url must be a non-empty string"]),
         ("- url: http://8.8.8.8/\n  method: G ET\n  expect: allow\n", ["2:11: method: 'G ET' is not an HTTP method"]),
-        ("- url: http://a.example.org/\n  resolve: 1.1.1.1\n  expect: allow\n", ["2:12: resolve must map each host name"]),
+        ("- url: http://a.example.org/\n  resolve: 1.1.1.1\n  expect: allow\n",
+         ["2:12: resolve must map each host name"]),
         ("- url: http://a.example.org/\n  resolve: {a.example.org: 0x7f.1}\n  expect: allow\n",
          ["2:28: resolve: '0x7f.1' is not an IP address"]),
         ("- url: http://a.example.org/\n  resolve: {a.example.org: [1.1.1.1, {}]}\n  expect: allow\n",
          ["2:38: resolve: 'a.example.org' must map to an IP address string"]),
-        ("- url: http://a.example.org/\n  resolve: {a.example.org: []}\n  expect: allow\n", ["2:28: resolve: 'a.example.org' has no addresses"]),
-        ("- url: http://a.example.org/\n  resolve: {1.2.3.4: 1.1.1.1}\n  expect: allow\n", ["2:13: resolve: '1.2.3.4' is an IP address"]),
-        ("- url: http://a.example.org/\n  resolve: {a.example.org: 1.1.1.1, A.example.org.: 1.1.1.2}\n  expect: allow\n",
+        ("- url: http://a.example.org/\n  resolve: {a.example.org: []}\n  expect: allow\n",
+         ["2:28: resolve: 'a.example.org' has no addresses"]),
+        ("- url: http://a.example.org/\n  resolve: {1.2.3.4: 1.1.1.1}\n  expect: allow\n",
+         ["2:13: resolve: '1.2.3.4' is an IP address"]),
+        ("- url: http://a.example.org/\n  resolve: {a.example.org: 1.1.1.1, A.example.org.: 1.1.1.2}\n  expect: "
+         "allow\n",
          ["2:37: resolve: 'a.example.org' appears twice"]),
-        ("- url: http://8.8.8.8/\n  url: http://1.1.1.1/\n  expect: allow\n", ["2:3: 'url' appears twice in this case"]),
-        ("- url: !!python/object/apply:os.system [true]\n  expect: allow\n", ["1:8: the YAML tag '!!python/object/apply:os.system' is not allowed in a cases file"]),
+        ("- url: http://8.8.8.8/\n  url: http://1.1.1.1/\n  expect: allow\n",
+         ["2:3: 'url' appears twice in this case"]),
+        ("- url: !!python/object/apply:os.system [true]\n  expect: allow\n",
+         ["1:8: the YAML tag '!!python/object/apply:os.system' is not allowed in a cases file"]),
         ("- url: [unclosed\n  expect: allow\n", ["YAML syntax:"]),
     ],
 )
@@ -183,7 +196,8 @@ def test_bad_cases_files_are_reported_with_positions(run, cases, expected):
 
 
 def test_every_bad_case_is_reported_before_anything_runs(run):
-    cases = "- url: http://8.8.8.8/\n  expect: maybe\n- url: nope\n  expect: allow\n- url: http://8.8.8.8/\n  expect: allow\n"
+    cases = ("- url: http://8.8.8.8/\n  expect: maybe\n- url: nope\n  expect: allow\n- url: http://8.8.8.8/\n  expect: "
+             "allow\n")
     path, result = run(cases)
     assert result.code == 1 and result.out == ""
     assert [line.split(": ")[0] for line in result.err.splitlines()[:2]] == [f"{path}:2:11", f"{path}:3:8"]

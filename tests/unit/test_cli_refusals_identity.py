@@ -46,13 +46,15 @@ def test_an_unsalted_sha256_hash_is_refused_and_hash_password_is_accepted(policy
 
     made = run("policy", "hash-password", stdin="correct horse\n")
     assert made.returncode == 0 and made.stdout.startswith("pbkdf2_sha256$200000$"), made
-    path = policy(f'version: 1\nclients:\n  - name: a\n    users: {{bot: {{password_hash: "{made.stdout.strip()}"}}}}\n')
+    path = policy(f'version: 1\nclients:\n  - name: a\n    users: {{bot: {{password_hash: '
+                  f'"{made.stdout.strip()}"}}}}\n')
     assert run("policy", "check", path).returncode == 0
 
 
 def test_refusal_note_is_checked(policy):
     assert run("policy", "check", policy('version: 1\nrefusal_note: "Ask #egress for access."\n')).returncode == 0
-    bad = run("policy", "check", policy('version: 1\nclients:\n  - {name: a, sources: [10.0.0.0/8], refusal_note: [x]}\n'))
+    bad = run("policy", "check",
+              policy('version: 1\nclients:\n  - {name: a, sources: [10.0.0.0/8], refusal_note: [x]}\n'))
     assert bad.returncode == 1 and "refusal_note must be text" in bad.stderr, bad
 
 
@@ -64,7 +66,8 @@ refusal_note: "Top: ask #egress."
 clients:
   - {name: ci, sources: [10.0.0.0/8], refusal_note: "CI: open an EGRESS ticket."}
 """)
-    result = run("policy", "explain", "--policy", path, "--client", "ci", "--resolve", "b.example=8.8.8.8", "http://b.example/")
+    result = run("policy", "explain", "--policy", path, "--client", "ci", "--resolve", "b.example=8.8.8.8",
+                 "http://b.example/")
     assert result.returncode == 3, result
     out = json.loads(result.stdout)
     assert out["reason"] == "host_not_allowed" and out["message"].endswith(" CI: open an EGRESS ticket."), out

@@ -177,7 +177,8 @@ def test_sluice_egress_is_the_internet_minus_every_non_public_range_of_the_table
     assert set(policy["spec"]["policyTypes"]) == {"Ingress", "Egress"}
     blocks = {b["ipBlock"]["cidr"]: set(b["ipBlock"].get("except", []))
               for rule in policy["spec"]["egress"] for b in rule.get("to", []) if "ipBlock" in b}
-    assert blocks["0.0.0.0/0"] == merged(4), "the except list must be netaddr.cidr_merge(sluice.policy.ranges' IPv4 table)"
+    assert blocks["0.0.0.0/0"] == merged(4), ("the except list must be netaddr.cidr_merge(sluice.policy.ranges' IPv4 "
+                                              "table)")
     assert blocks["::/0"] == merged(6)
     # And nothing the table calls non-public is reachable through any other ipBlock.
     for cidr in set(blocks) - {"0.0.0.0/0", "::/0"}:

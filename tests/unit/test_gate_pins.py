@@ -243,7 +243,8 @@ def test_the_proxys_own_host_is_proxy_loop_on_any_port_unless_private_networks_n
     own = frozenset({"203.0.113.7", "2001:db8::7"})
     rules = policy("version: 1\nports: [80, 443]\n").rules
     assert check_own_address(rules, ("203.0.113.7",), 9090, own).reason == "proxy_loop"
-    assert check_own_address(rules, ("93.184.215.14", "203.0.113.7"), 443, own).reason == "proxy_loop"  # one answer is enough
+    # one answer is enough
+    assert check_own_address(rules, ("93.184.215.14", "203.0.113.7"), 443, own).reason == "proxy_loop"
     assert check_own_address(rules, ("::ffff:203.0.113.7",), 80, own).reason == "proxy_loop"  # one spelling
     assert check_own_address(rules, ("2001:DB8:0::7",), 80, own).reason == "proxy_loop"
     assert check_own_address(rules, ("93.184.215.14",), 80, own) is None
@@ -255,7 +256,8 @@ def test_the_proxys_own_host_is_proxy_loop_on_any_port_unless_private_networks_n
 def test_proxy_addresses_are_ip_addresses():
     from sluice.policy.loader import PolicyInvalid, load_policy_text
 
-    assert load_policy_text("version: 1\nproxy_addresses: ['203.0.113.7', '::ffff:198.51.100.1']\n").proxy_addresses == {
+    assert load_policy_text("version: 1\nproxy_addresses: ['203.0.113.7', "
+                            "'::ffff:198.51.100.1']\n").proxy_addresses == {
         "203.0.113.7", "198.51.100.1"}
     for bad in ("'203.0.113.0/24'", "'host.example'", "5", "'203.0.113.7:80'"):
         with pytest.raises(PolicyInvalid, match="proxy_addresses"):

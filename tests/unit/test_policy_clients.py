@@ -50,7 +50,8 @@ def test_a_user_with_the_right_password_gets_their_profile(p):
     assert match_client(p, None, "bob", "bob-pw").profile == "agents"
 
 
-@pytest.mark.parametrize(("user", "password"), [("alice", "wrong"), ("alice", ""), ("alice", None), ("mallory", "x"), ("", "")])
+@pytest.mark.parametrize(("user", "password"),
+                         [("alice", "wrong"), ("alice", ""), ("alice", None), ("mallory", "x"), ("", "")])
 def test_wrong_or_unknown_credentials_are_refused_with_407(p, user, password):
     m = match_client(p, "10.1.2.3", user, password)
     assert m.profile is None

@@ -44,7 +44,8 @@ clients:
 """
 
 
-def load(text: str = BASE, *, files: dict[str, str] | None = None, environ: dict[str, str] | None = None, file="p.yaml"):
+def load(text: str = BASE, *, files: dict[str, str] | None = None, environ: dict[str, str] | None = None,
+         file="p.yaml"):
     files = {"key.txt": SECRET} if files is None else files
 
     def read_secret(path: str) -> str:
@@ -78,7 +79,8 @@ def test_values_come_from_the_file_and_the_environment_with_format():
 
 def test_no_entry_for_other_hosts():
     policy = load()
-    for host in ("example.com", "api.example.com.evil.net", "xapi.example.com", "github.com.evil.net", "1.2.3.4", "not a host"):
+    for host in ("example.com", "api.example.com.evil.net", "xapi.example.com", "github.com.evil.net", "1.2.3.4",
+                 "not a host"):
         assert credential_for(policy.rules, host) is None, host
         assert apply_to(policy.rules, host, "https") == (None, None)
 
@@ -127,10 +129,12 @@ def test_a_credentials_host_that_is_not_intercepted_names_the_intercept_entry_to
     text = BASE.replace('intercept: [api.example.com, "**.github.com", shared.example.com]',
                         'intercept: ["*.github.com", shared.example.com]')
     found = problems(text)
-    assert any("'api.example.com'" in p and "add 'api.example.com' to the top level's `intercept`" in p for p in found), found
+    assert any("'api.example.com'" in p and "add 'api.example.com' to the top level's `intercept`" in p
+               for p in found), found
     assert any("'**.github.com'" in p and "add '**.github.com'" in p for p in found), found
     # A profile that narrows intercept below an inherited credentials host.
-    text = BASE.replace("    sources: [10.1.0.0/16]\n", "    sources: [10.1.0.0/16]\n    intercept: [\"**.github.com\"]\n")
+    text = BASE.replace("    sources: [10.1.0.0/16]\n",
+                        "    sources: [10.1.0.0/16]\n    intercept: [\"**.github.com\"]\n")
     found = problems(text)
     assert any("client profile 'ci'" in p and "add 'api.example.com'" in p for p in found), found
 
@@ -165,7 +169,8 @@ def test_pattern_intercepted(patterns, text, covered):
     ('hosts: [a.example.com]\n    set_headers: {X-K: {file: missing.txt}}', "cannot read 'missing.txt'"),
     ('hosts: [a.example.com]\n    set_headers: {X-K: {env: GH_TOKEN, format: "Bearer"}}', "exactly one {}"),
     ('hosts: [a.example.com]\n    set_headers: {X-K: {env: GH_TOKEN, format: "{} {}"}}', "exactly one {}"),
-    ('hosts: [a.example.com]\n    set_headers: {X-K: {file: key.txt}}\n    allow_plain_http: yes please', "true or false"),
+    ('hosts: [a.example.com]\n    set_headers: {X-K: {file: key.txt}}\n    allow_plain_http: yes please',
+     "true or false"),
     ('hosts: [a.example.com]\n    set_headers: {}', "set_headers is empty"),
     ('hosts: [a.example.com]\n    set_headers: {X-K: {file: key.txt}, x-k: {file: key.txt}}', "listed twice"),
     ('hosts: [a.example.com]\n    set_headers: {X-K: {file: key.txt}}\n    header: x', "did you mean"),
@@ -184,7 +189,8 @@ def test_entry_problems(snippet, expected):
     ("bell\x07", "control character"),
 ])
 def test_unusable_secret_values_are_refused_without_quoting_them(content, expected):
-    text = "version: 1\nintercept: [a.example.com]\ncredentials:\n  - hosts: [a.example.com]\n    set_headers: {X-K: {file: key.txt}}\n"
+    text = ("version: 1\nintercept: [a.example.com]\ncredentials:\n  - hosts: [a.example.com]\n    set_headers: {X-K: "
+            "{file: key.txt}}\n")
     found = problems(text, files={"key.txt": content})
     assert any(expected in p for p in found), found
     if content:

@@ -113,7 +113,8 @@ def test_every_expected_method_refusal_is_one_the_proxy_can_see(cli, name):
         result = cli([*args, case["url"]])
         data = json.loads(result.out)
         assert result.code == 3 and data["reason"] == "method_not_allowed", (case, data)
-        assert data["via"] in ("request", "intercepted") or "the method CONNECT is not allowed" in data["detail"], (case, data)
+        assert data["via"] in ("request",
+                               "intercepted") or "the method CONNECT is not allowed" in data["detail"], (case, data)
 
 
 def test_explain_an_example(cli):

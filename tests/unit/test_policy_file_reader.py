@@ -60,7 +60,8 @@ def test_a_fifo_is_refused_without_blocking(tmp_path, via_symlink):
         path.symlink_to(fifo)
     (problem,) = problems_of(path)
     assert (problem.file, problem.line, problem.col) == (str(path), 1, 1)
-    assert problem.message == "cannot read the policy: it is a FIFO, not a regular file (symlinks followed); refusing to read it"
+    assert problem.message == ("cannot read the policy: it is a FIFO, not a regular file (symlinks followed); refusing "
+                               "to read it")
 
 
 @pytest.mark.parametrize("device", ["/dev/zero", "/dev/urandom", "/dev/null"])
@@ -68,7 +69,8 @@ def test_a_character_device_is_refused(tmp_path, device):
     path = tmp_path / "policy.yaml"
     path.symlink_to(device)
     (problem,) = problems_of(path)
-    assert problem.message == "cannot read the policy: it is a character device, not a regular file (symlinks followed); refusing to read it"
+    assert problem.message == ("cannot read the policy: it is a character device, not a regular file (symlinks "
+                               "followed); refusing to read it")
     (problem,) = problems_of(device)
     assert "it is a character device, not a regular file" in problem.message
 
@@ -154,7 +156,8 @@ def test_a_shadow_file_is_never_echoed(cli, write):
     assert result.code == 1
     assert_no_secret(result.out + result.err)
     # ...while still saying what is wrong, and where.
-    assert f"{path}:1:1: unknown key of 116 characters starting 'root' in the policy (not shown; is this a policy file?)" in result.err
+    assert (f"{path}:1:1: unknown key of 116 characters starting 'root' in the policy "
+            "(not shown; is this a policy file?)") in result.err
     assert f"{path}:2:1: unknown key of 26 characters starting 'daemon' in the policy" in result.err
     with pytest.raises(PolicyInvalid) as info:
         load_policy_file(path)

@@ -42,22 +42,26 @@ def test_bad_header_counts(value, message):
     assert "limits.max_header_count" in str(e.value) and message in str(e.value)
 
 
-@pytest.mark.parametrize("key, value", [("max_header_bytes", "lots"), ("max_header_bytes", "0"), ("header_timeout", "0s"), ("header_timeout", "soon")])
+@pytest.mark.parametrize("key, value", [("max_header_bytes", "lots"), ("max_header_bytes", "0"),
+                                        ("header_timeout", "0s"), ("header_timeout", "soon")])
 def test_bad_sizes_and_durations(key, value):
     with pytest.raises(PolicyInvalid) as e:
         load(f"limits:\n  {key}: {value}\n")
     assert f"limits.{key}" in str(e.value)
 
 
-@pytest.mark.parametrize("key, value", [("max_header_bytes", "8KiB"), ("max_header_count", "10"), ("header_timeout", "5s")])
+@pytest.mark.parametrize("key, value",
+                         [("max_header_bytes", "8KiB"), ("max_header_count", "10"), ("header_timeout", "5s")])
 def test_a_profile_may_not_set_head_limits(key, value):
-    text = f"clients:\n  - name: ci\n    sources: ['10.0.0.0/8']\n    limits:\n      idle_timeout: 5s\n      {key}: {value}\n"
+    text = (f"clients:\n  - name: ci\n    sources: ['10.0.0.0/8']\n    limits:\n      idle_timeout: 5s\n      {key}: "
+            f"{value}\n")
     with pytest.raises(PolicyInvalid) as e:
         load(text)
     assert len(e.value.problems) == 1
     problem = e.value.problems[0]
     assert (problem.line, problem.col) == (7, 7)
-    assert f"limits.{key} is global" in problem.message and "top-level `limits`" in problem.message and "'ci'" in problem.message
+    assert f"limits.{key} is global" in problem.message
+    assert "top-level `limits`" in problem.message and "'ci'" in problem.message
 
 
 def test_a_profile_may_still_set_other_limits():

@@ -172,7 +172,8 @@ def test_problem_text_is_file_line_col_message():
     [
         ("version: 1\nalow: []\n", (2, 1), "unknown key 'alow' in the policy; did you mean 'allow'?"),
         ("version: 1\nport: [80]\n", (2, 1), "did you mean 'ports'?"),
-        ("version: 1\nlimits:\n  conect_timeout: 1s\n", (3, 3), "unknown key 'conect_timeout' in limits; did you mean 'connect_timeout'?"),
+        ("version: 1\nlimits:\n  conect_timeout: 1s\n", (3, 3),
+         "unknown key 'conect_timeout' in limits; did you mean 'connect_timeout'?"),
         ("version: 1\ndns:\n  nameserver: []\n", (3, 3), "did you mean 'nameservers'?"),
         ("version: 1\nclients:\n  - name: a\n    sources: [10.0.0.0/8]\n    methds: [GET]\n", (5, 5),
          "unknown key 'methds' in a client profile; did you mean 'methods'?"),
@@ -186,7 +187,8 @@ def test_unknown_key_with_did_you_mean(text, where, expected):
 
 
 def test_duplicate_key():
-    assert one("version: 1\nports: [80]\nports: [443]\n") == (3, 1, "'ports' appears twice in the policy (first at line 2)")
+    assert one("version: 1\nports: [80]\nports: [443]\n") == (3, 1,
+                                                              "'ports' appears twice in the policy (first at line 2)")
 
 
 def test_non_string_key():
@@ -204,7 +206,8 @@ def test_non_string_key():
         ("version: 1\nports: [65536]\n", (2, 9), "ports: 65536 is not a port number"),
         ("version: 1\nports: [true]\n", (2, 9), "ports: True is not a port number"),
         ("version: 1\nports: []\n", (2, 8), "ports is empty"),
-        ("version: 1\nmethods: [GETT]\n", (2, 11), "methods: 'GETT' is not a standard HTTP method; did you mean 'GET'?"),
+        ("version: 1\nmethods: [GETT]\n", (2, 11),
+         "methods: 'GETT' is not a standard HTTP method; did you mean 'GET'?"),
         ("version: 1\nmethods: [1]\n", (2, 11), "methods: 1 is not an HTTP method"),
         ("version: 1\naction: block\n", (2, 9), "action must be 'enforce' or 'report', not 'block'"),
         ("version: 1\nrequire_client: maybe\n", (2, 17), "require_client must be true or false, not 'maybe'"),
@@ -331,13 +334,17 @@ clients:
     [
         ("{sources: [10.0.0.0/8]}", "every client profile needs a `name`"),
         ("{name: lonely}", "client profile 'lonely' matches nobody: give it `users` or `sources`"),
-        ("{name: a, users: {bot: {password: hunter2}}}", "unknown key 'password' in user 'bot'; did you mean 'password_hash'?"),
-        ("{name: a, users: {bot: {password_hash: hunter2}}}", "password_hash for 'bot': expected 'pbkdf2_sha256$ITERATIONS$SALT$HASH'"),
+        ("{name: a, users: {bot: {password: hunter2}}}",
+         "unknown key 'password' in user 'bot'; did you mean 'password_hash'?"),
+        ("{name: a, users: {bot: {password_hash: hunter2}}}",
+         "password_hash for 'bot': expected 'pbkdf2_sha256$ITERATIONS$SALT$HASH'"),
         ("{name: a, users: {bot: {password_hash: 'pbkdf2_sha256$1000$00$00'}}}", "password_hash for 'bot'"),
-        ("{name: a, users: {bot: {password_hash: 'sha256:abc'}}}", "password_hash for 'bot': unsalted 'sha256:' hashes are not accepted"),
+        ("{name: a, users: {bot: {password_hash: 'sha256:abc'}}}",
+         "password_hash for 'bot': unsalted 'sha256:' hashes are not accepted"),
         ("{name: a, users: {'a:b': {password_hash: x}}}", "'a:b' is not a valid username (no ':' allowed)"),
         ("{name: a, users: [bot]}", "users must map each username to {password_hash: ...} or {password_file: ...}"),
-        ("{name: a, users: {bot: {password_hash: x, password_file: y}}}", "needs exactly one of password_hash or password_file"),
+        ("{name: a, users: {bot: {password_hash: x, password_file: y}}}",
+         "needs exactly one of password_hash or password_file"),
         ("{name: a, users: {bot: null}}", "user 'bot' must be a mapping"),
         ("just-a-name", "a client profile must be a mapping"),
     ],
@@ -414,7 +421,8 @@ def test_shadowed_allow_entries(allow, deny, shadowed):
 
 
 def test_shadowing_is_checked_inside_profiles_too():
-    text = 'version: 1\ndeny: ["**.evil.example"]\nclients:\n  - name: a\n    sources: [10.0.0.0/8]\n    allow: [x.evil.example]\n'
+    text = ('version: 1\ndeny: ["**.evil.example"]\nclients:\n  - name: a\n    sources: [10.0.0.0/8]\n    allow: '
+            '[x.evil.example]\n')
     line, col, message = one(text)
     assert (line, col) == (6, 13) and "can never match" in message
 
@@ -454,8 +462,10 @@ def test_deep_nesting_is_refused():
     [
         ("version: 1\naction: !!python/object/apply:os.system ['touch /tmp/pwned']\n", (2, 9),
          "the YAML tag '!!python/object/apply:os.system' is not allowed in a policy"),
-        ("!!python/object:__main__.Evil\nversion: 1\n", (1, 1), "the YAML tag '!!python/object:__main__.Evil' is not allowed"),
-        ("version: 1\nallow: !!python/name:os.system\n", (2, 8), "the YAML tag '!!python/name:os.system' is not allowed"),
+        ("!!python/object:__main__.Evil\nversion: 1\n", (1, 1),
+         "the YAML tag '!!python/object:__main__.Evil' is not allowed"),
+        ("version: 1\nallow: !!python/name:os.system\n", (2, 8),
+         "the YAML tag '!!python/name:os.system' is not allowed"),
         ("version: 1\naction: !custom enforce\n", (2, 9), "the YAML tag '!custom' is not allowed"),
         ("version: 1\nallow: !!set {a.example: null}\n", (2, 8), "the YAML tag '!!set' is not allowed"),
         ("version: 1\naction: !!binary ZW5mb3JjZQ==\n", (2, 9), "the YAML tag '!!binary' is not allowed"),
@@ -508,7 +518,8 @@ def test_a_missing_file(tmp_path):
 def test_a_wildcard_over_internal_names_only_is_an_error(key, pattern, suffix):
     line, col, message = one(f"version: 1\n{key}:\n  - example.org\n  - {pattern}\n")
     assert (line, col) == (4, 5)
-    assert message.startswith(f"{key} entry {pattern.strip(chr(34))!r} can never match: every name it covers is an internal name (*.{suffix})")
+    assert message.startswith(f"{key} entry {pattern.strip(chr(34))!r} can never match: every name it covers is an "
+                              f"internal name (*.{suffix})")
     if key == "allow":
         assert "only an exact entry makes an internal name reachable" in message
     else:
@@ -518,8 +529,10 @@ def test_a_wildcard_over_internal_names_only_is_an_error(key, pattern, suffix):
 @pytest.mark.parametrize(
     "text",
     [
-        'version: 1\nallow: ["*", searxng, wiki.internal, metadata]\n',  # exact internal names under allow: reachable by design
-        'version: 1\nallow: ["**.com", "*.internal.example.com", "**.metadata", "*.kubernetes.default"]\n',  # public names too
+        # exact internal names under allow: reachable by design
+        'version: 1\nallow: ["*", searxng, wiki.internal, metadata]\n',
+        # public names too
+        'version: 1\nallow: ["**.com", "*.internal.example.com", "**.metadata", "*.kubernetes.default"]\n',
         'version: 1\ndeny: ["*.example.local.com", "**.localhost.example"]\n',
         # deny still bites an internal name that allow lists exactly
         'version: 1\nallow: [wiki.internal, searxng]\ndeny: ["*.internal.example"]\nclients:\n'
@@ -582,12 +595,14 @@ def test_an_allow_cidr_that_is_wholly_non_public_is_an_error(cidr, named):
 @pytest.mark.parametrize(
     "text",
     [
-        'version: 1\nallow: ["8.8.8.0/24", "0.0.0.0/0", "::/0", "100.0.0.0/8", "2606:4700::/32"]\n',  # some address is public
+        # some address is public
+        'version: 1\nallow: ["8.8.8.0/24", "0.0.0.0/0", "::/0", "100.0.0.0/8", "2606:4700::/32"]\n',
         'version: 1\nallow: ["10.0.0.0/8"]\nprivate_networks: ["10.0.0.5/32:8080"]\n',  # partly opened
         'version: 1\nallow: ["10.0.0.5"]\nprivate_networks: ["10.0.0.0/24"]\n',
         'version: 1\ndeny: ["10.0.0.0/8", "169.254.169.254"]\n',  # deny CIDRs are belt and braces, not errors
         # a profile that inherits the top-level allow list opens it
-        'version: 1\nallow: ["10.9.0.0/16"]\nclients:\n  - name: a\n    sources: [10.20.0.0/16]\n    private_networks: ["10.9.1.0/24"]\n',
+        'version: 1\nallow: ["10.9.0.0/16"]\nclients:\n  - name: a\n    sources: [10.20.0.0/16]\n    private_networks: '
+        '["10.9.1.0/24"]\n',
     ],
 )
 def test_allow_cidrs_that_can_match_load(text):
@@ -602,9 +617,11 @@ def test_a_top_level_allow_cidr_opened_only_by_a_profile_with_its_own_allow_is_a
 
 
 def test_a_profile_allow_cidr_is_checked_against_its_own_private_networks():
-    ok = 'version: 1\nclients:\n  - name: a\n    sources: [10.20.0.0/16]\n    allow: ["10.9.0.0/16"]\n    private_networks: ["10.9.0.0/16"]\n'
+    ok = ('version: 1\nclients:\n  - name: a\n    sources: [10.20.0.0/16]\n    allow: ["10.9.0.0/16"]\n    '
+          'private_networks: ["10.9.0.0/16"]\n')
     load_policy_text(ok, "p.yaml")
-    bad = 'version: 1\nprivate_networks: ["10.8.0.0/16"]\nclients:\n  - name: a\n    sources: [10.20.0.0/16]\n    allow: ["10.9.0.0/16"]\n'
+    bad = ('version: 1\nprivate_networks: ["10.8.0.0/16"]\nclients:\n  - name: a\n    sources: [10.20.0.0/16]\n    '
+           'allow: ["10.9.0.0/16"]\n')
     line, col, message = one(bad)
     assert (line, col) == (6, 13) and "allow entry '10.9.0.0/16' can never match" in message
 
@@ -620,9 +637,11 @@ clients:
 """
     line, col, message = one(text)
     assert (line, col) == (6, 29)
-    assert message == ("sources entry 'fd00:20:0:0::/64' is also in client profile 'ci' (line 4): a client from there always "
+    assert message == ("sources entry 'fd00:20:0:0::/64' is also in client profile 'ci' (line 4): a client from there "
+                       "always "
                        "matches 'ci', the first profile, so this entry never matches; give each network to one profile")
 
 
 def test_nested_source_networks_are_fine_the_most_specific_wins():
-    load_policy_text("version: 1\nclients:\n  - name: a\n    sources: [10.0.0.0/8]\n  - name: b\n    sources: [10.20.0.0/16]\n", "p.yaml")
+    load_policy_text("version: 1\nclients:\n  - name: a\n    sources: [10.0.0.0/8]\n  - name: b\n    sources: "
+                     "[10.20.0.0/16]\n", "p.yaml")

@@ -151,7 +151,8 @@ def test_transfer_meter_grants_what_is_left():
     assert meter(60, 0.0) == 60
     assert meter(60, 1.0) == 40
     assert meter(1, 2.0) == 0
-    cut = quotas.transfer_refusal(Limits(bytes_per_hour=100), c.window(quotas.bytes_key(ALICE), quotas.HOUR, 2.0)[1], cut=True)
+    cut = quotas.transfer_refusal(Limits(bytes_per_hour=100), c.window(quotas.bytes_key(ALICE), quotas.HOUR, 2.0)[1],
+                                  cut=True)
     assert cut.reason is Reason.QUOTA_EXCEEDED and "used up its hourly transfer quota of 100 bytes" in cut.detail
     assert "resets in 60 minutes" in cut.detail
 
@@ -159,7 +160,8 @@ def test_transfer_meter_grants_what_is_left():
 def test_when_is_said_in_seconds_then_minutes():
     assert quotas.transfer_refusal(Limits(bytes_per_hour=2048), 1.2).detail.endswith("resets in 2 seconds")
     assert quotas.transfer_refusal(Limits(bytes_per_hour=2048), 61).detail.endswith("resets in 61 seconds")
-    assert quotas.transfer_refusal(Limits(bytes_per_hour=2048), 1380).detail.endswith("of 2 KiB; it resets in 23 minutes")
+    assert quotas.transfer_refusal(Limits(bytes_per_hour=2048),
+                                   1380).detail.endswith("of 2 KiB; it resets in 23 minutes")
 
 
 # ---- the loader -------------------------------------------------------------

@@ -28,7 +28,8 @@ from sluice.policy.reasons import POLICY_SUFFIX, Reason, Refusal
 
 
 class PageListener:
-    def __init__(self, answer: bytes | None = b"HTTP/1.1 400 Bad Request\r\nSluice-Reason: bad_request\r\n\r\n") -> None:
+    def __init__(self, answer: bytes
+                 | None = b"HTTP/1.1 400 Bad Request\r\nSluice-Reason: bad_request\r\n\r\n") -> None:
         self.answer = answer
         self.asked: list[tuple[int, str, bool]] = []
 
@@ -77,7 +78,8 @@ def test_without_an_answer_mitmproxys_page_goes_out_as_shipped(listener):
 
 def test_a_normal_request_is_untouched(listener):
     server, client = _server()
-    cmds = list(server.handle_event(events.DataReceived(client, b"GET http://example.com/ HTTP/1.1\r\nHost: example.com\r\n\r\n")))
+    cmds = list(server.handle_event(events.DataReceived(client, b"GET http://example.com/ HTTP/1.1\r\nHost: "
+                                                                b"example.com\r\n\r\n")))
     assert _sent(cmds) == b"" and listener.asked == []
 
 
@@ -130,12 +132,14 @@ def _problems(text: str) -> list[str]:
 
 
 def test_version_as_a_string_names_the_type():
-    assert _problems('version: "1"\n') == ["version is the string '1'; write the number 1 without quotes (`version: 1`)"]
+    assert _problems('version: "1"\n') == ["version is the string '1'; write the number 1 without quotes (`version: "
+                                           "1`)"]
     assert _problems("version: 2\n") == ["unsupported policy version 2; this Sluice reads version 1"]
 
 
 def test_unsalted_sha256_hashes_are_refused():
-    (message,) = _problems('version: 1\nclients:\n  - name: a\n    users: {bot: {password_hash: "sha256:' + "0" * 64 + '"}}\n')
+    (message,) = _problems('version: 1\nclients:\n  - name: a\n    users: {bot: {password_hash: "sha256:' + "0" * 64
+                           + '"}}\n')
     assert "unsalted 'sha256:' hashes are not accepted" in message and "hash-password" in message
 
 
@@ -179,7 +183,8 @@ def test_a_bad_refusal_note_is_an_error(value, expected):
 
 def test_the_note_follows_sluices_sentence():
     refusal = Refusal(Reason.HOST_NOT_ALLOWED, "x.example is not on this policy's allow list").with_note("Ask #egress.")
-    assert refusal.message == f"Sluice refused this request: x.example is not on this policy's allow list. {POLICY_SUFFIX} Ask #egress."
+    assert refusal.message == ("Sluice refused this request: x.example is not on this policy's allow list. "
+                               f"{POLICY_SUFFIX} Ask #egress.")
     assert refusal.with_note("another") is refusal  # the first note stays
     throttled = Refusal(Reason.AUTH_THROTTLED, "too many", retry_after=3, note="Ask #egress.")
     assert throttled.message == "Sluice refused this request: too many. Retry after 3 s. Ask #egress."

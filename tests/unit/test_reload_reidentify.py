@@ -22,7 +22,8 @@ def policy(alice_in: str | None, lab_in: str = "plain", alice_hash: str = HASH, 
     text = f"version: 1\nrequire_client: {'true' if require_client else 'false'}\nclients:\n"
     for name in ("holders", "plain"):
         members = profiles[name] or ["    users: {bob: {password_hash: '" + OTHER_HASH + "'}}"]
-        text += f"  - name: {name}\n" + "\n".join(members) + f"\n    ports: [{443 if name == 'holders' else '443, 8443'}]\n"
+        ports = 443 if name == 'holders' else '443, 8443'
+        text += f"  - name: {name}\n" + "\n".join(members) + f"\n    ports: [{ports}]\n"
     return load_policy_text(text)
 
 
@@ -31,7 +32,8 @@ def test_a_user_is_matched_again_by_username_and_verifier():
     who = identity_of(before, "127.0.0.1", "alice")
     assert rematch(before, who).profile == "holders"
     assert rematch(policy("plain"), who).profile == "plain"  # moved
-    assert rematch(policy(None), who).refusal.reason == "client_unknown"  # removed (wrong credentials, as a new request)
+    # removed (wrong credentials, as a new request)
+    assert rematch(policy(None), who).refusal.reason == "client_unknown"
     assert rematch(policy("holders", alice_hash=OTHER_HASH), who).refusal.reason == "client_unknown"  # password changed
 
 
@@ -52,6 +54,7 @@ def test_redecide_moves_a_tunnel_or_refuses_it():
     # holders has port 443 only: had the tunnel stayed there, 8443 would be refused; in plain it is allowed.
     assert redecide(policy("plain"), tunnel) is None and tunnel.profile == "plain" and 8443 in tunnel.rules.ports
     refusal = redecide(policy("holders"), tunnel)  # back to holders: its ports refuse 8443
-    assert refusal.reason == "port_not_allowed" and tunnel.profile == "plain"  # a refused tunnel keeps its line's profile
+    # a refused tunnel keeps its line's profile
+    assert refusal.reason == "port_not_allowed" and tunnel.profile == "plain"
     refusal = redecide(policy(None), tunnel)
     assert refusal.reason == "client_unknown" and "matches no client profile" in refusal.detail

@@ -52,7 +52,8 @@ def code(r):
 
 SERPER_OK = {"searchParameters": {"q": "tide tables", "type": "search", "engine": "google"},
              "organic": [{"title": "Tide <b>Tables</b> &amp; Charts", "link": "https://tides.example/", "position": 1,
-                          "snippet": "Tide times for\n  every port.", "sitelinks": [{"title": "x", "link": "https://x"}]},
+                          "snippet": "Tide times for\n  every port.",
+                          "sitelinks": [{"title": "x", "link": "https://x"}]},
                          {"title": "Moon", "link": "https://moon.example/a?utm_source=serper", "position": 2,
                           "snippet": "Why tides", "date": "Jan 1, 2026"}],
              "relatedSearches": [{"query": "tides today"}], "credits": 1}
@@ -63,7 +64,8 @@ def test_serper_request_and_results():
     assert r == {"provider": "serper", "query": "tide tables", "results": [
         {"title": "Tide Tables & Charts", "url": "https://tides.example/", "snippet": "Tide times for every port.",
          "source": "serper"},
-        {"title": "Moon", "url": "https://moon.example/a?utm_source=serper", "snippet": "Why tides", "source": "serper"}]}
+        {"title": "Moon", "url": "https://moon.example/a?utm_source=serper", "snippet": "Why tides",
+         "source": "serper"}]}
     call = c.calls[0]
     assert (call["method"], call["url"], call["check"]) == ("POST", "https://google.serper.dev/search", True)
     assert call["credentials"] == {"X-API-KEY": KEY} and KEY not in json.dumps(call["headers"])
@@ -98,7 +100,8 @@ BRAVE_OK = {"type": "search", "query": {"original": "tide tables", "more_results
             "web": {"type": "search", "results": [
                 {"title": "Tides", "url": "https://tides.example/p", "description": "All <strong>tide</strong> times",
                  "page_age": "2026-01-01", "language": "en", "extra_snippets": ["a"],
-                 "meta_url": {"scheme": "https", "netloc": "tides.example", "hostname": "tides.example", "path": "/p"}}]}}
+                 "meta_url": {"scheme": "https", "netloc": "tides.example", "hostname": "tides.example",
+                              "path": "/p"}}]}}
 
 
 def test_brave_request_and_results():
@@ -162,7 +165,8 @@ def test_tavily_request_results_and_errors():
     r, _ = run({"TAVILY_API_KEY": KEY}, 401, {"detail": {"error": "Unauthorized: missing or invalid API key."}})
     assert code(r) == "search_bad_key" and "invalid API key" in r["error"]["message"]
     r, _ = run({"TAVILY_API_KEY": KEY}, 432, {"detail": {"error": "This request exceeds your plan's set usage limit."}})
-    assert code(r) == "search_provider_error" and r["error"]["status"] == 432 and "usage limit" in r["error"]["provider_message"]
+    assert code(r) == "search_provider_error" and r["error"]["status"] == 432
+    assert "usage limit" in r["error"]["provider_message"]
     r, _ = run({"TAVILY_API_KEY": KEY}, 429, {"detail": {"error": "Rate limit exceeded"}},
                headers={"Retry-After": "Wed, 21 Oct 2015 07:28:00 GMT"})
     assert code(r) == "search_rate_limited" and r["error"]["retry_after"] == 0
@@ -173,7 +177,8 @@ def test_tavily_request_results_and_errors():
 # ------------------------------------------------------------------ Firecrawl
 
 FIRECRAWL_V2 = {"success": True, "data": {"web": [
-    {"url": "https://tides.example/", "title": "Tides", "description": "Times.", "position": 1}], "images": [], "news": []}}
+    {"url": "https://tides.example/", "title": "Tides", "description": "Times.", "position": 1}], "images": [],
+                                          "news": []}}
 FIRECRAWL_V1 = {"success": True, "data": [{"url": "https://moon.example/", "title": "Moon", "description": "Pull."}]}
 
 
@@ -334,7 +339,8 @@ def test_key_files_and_missing_keys(tmp_path):
     # Named explicitly with no key (the proxy injects it): sent without one; a 422 says neither supplied it.
     r, c = run({"SLUICE_SEARCH_PROVIDER": "brave"}, 422, brave_error(422, "SUBSCRIPTION_TOKEN_INVALID", "invalid"))
     assert c.calls[0]["credentials"] is None
-    assert code(r) == "search_bad_key" and "neither the tool" in r["error"]["message"] and "proxy" in r["error"]["message"]
+    assert code(r) == "search_bad_key"
+    assert "neither the tool" in r["error"]["message"] and "proxy" in r["error"]["message"]
 
 
 def test_keys_never_in_results_or_errors():

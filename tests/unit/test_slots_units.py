@@ -34,7 +34,8 @@ def test_max_upstreams_per_connection_loads_top_level_and_per_profile():
         load_policy_text("version: 1\nlimits: {max_upstreams_per_connection: 0}\n")
 
 
-@pytest.mark.parametrize("total, reserve", [(2, 1), (20, 10), (32, 16), (40, 16), (320, 16), (2000, 100), (10_000, 500)])
+@pytest.mark.parametrize("total, reserve",
+                         [(2, 1), (20, 10), (32, 16), (40, 16), (320, 16), (2000, 100), (10_000, 500)])
 def test_the_source_reserve_is_max_16_or_5_percent_at_most_half(total, reserve):
     assert quotas.source_reserve(total) == reserve
 

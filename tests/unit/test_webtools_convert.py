@@ -161,7 +161,8 @@ def test_visible_text_without_title_and_empty():
 
 def test_visible_text_changes_only_with_the_words():
     a = b"<html><head><script src='/app.1.js'></script></head><body><p>Same words here.</p></body></html>"
-    b = b"<html><head><script src='/app.2.js'></script></head><body>\n<div><p>Same   words\nhere.</p></div></body></html>"
+    b = (b"<html><head><script src='/app.2.js'></script></head><body>\n<div><p>Same   "
+         b"words\nhere.</p></div></body></html>")
     assert visible_text(a) == visible_text(b)
 
 
@@ -195,7 +196,8 @@ def test_utf8_default_with_replacement_and_bom():
 
 
 def test_markdown_decoding_matches():
-    html = "<html><head><meta charset='cp1251'></head><body><article><p>Съешь же ещё этих мягких булок.</p></article></body></html>"
+    html = ("<html><head><meta charset='cp1251'></head><body><article><p>Съешь же ещё этих мягких "
+            "булок.</p></article></body></html>")
     assert "Съешь же ещё этих мягких булок." in html_to_markdown(html.encode("cp1251")).markdown
 
 
@@ -205,7 +207,8 @@ GARBAGE = [
     b"", b"   ", b"\x00\x00\x00", b"<", b"<<<<>>>>", b"<html", b"</p></div></body>", b"<?xml version='1.0'?>",
     b'<?xml version="1.0" encoding="utf-8"?><html xmlns="http://www.w3.org/1999/xhtml"><body><p>x</p></body></html>',
     b"<!DOCTYPE html><html><body><p>unclosed <b>bold <i>italic <a href='javascript:alert(1)'>js",
-    b"<p>\xed\xa0\x80 surrogate</p>", b"<a href='http://[::1'>bad url</a>", b"<base href='http://[bad'><a href='x'>y</a>",
+    b"<p>\xed\xa0\x80 surrogate</p>", b"<a href='http://[::1'>bad url</a>",
+    b"<base href='http://[bad'><a href='x'>y</a>",
     b"<table><tr><td><table><td>nested</table></td>" * 50, b"<pre>" + b"`" * 100 + b"</pre>",
     "<p>\ud800 lone surrogate in str</p>",
 ]
@@ -234,7 +237,8 @@ def test_random_bytes_never_raise():
 
 
 def test_deep_nesting_is_bounded():
-    deep = b"<html><body><p>start</p>" + b"<div>" * 100_000 + b"deep" + b"</div>" * 100_000 + b"<p>end</p></body></html>"
+    deep = (b"<html><body><p>start</p>" + b"<div>" * 100_000 + b"deep" + b"</div>" * 100_000
+            + b"<p>end</p></body></html>")
     t = time.perf_counter()
     c = html_to_markdown(deep, "https://x.example/")
     title, text = visible_text(deep)

@@ -51,7 +51,8 @@ def test_a_url_over_the_bound_is_web_bad_url(url):
     assert len(json.dumps(result)) < 1000
 
 
-@pytest.mark.parametrize("proxy", ["http://127.0.0.1:abc", "http://127.0.0.1:99999", "http://127.0.0.1:", "127.0.0.1:-1",
+@pytest.mark.parametrize("proxy",
+                         ["http://127.0.0.1:abc", "http://127.0.0.1:99999", "http://127.0.0.1:", "127.0.0.1:-1",
                                    "http://[::1", "http://[::1]x", "http://:8080", "http://u:secret@127.0.0.1:8o8o"])
 def test_a_malformed_proxy_url_is_web_no_proxy(proxy):
     with pytest.raises(WebError) as caught:
@@ -94,7 +95,8 @@ def test_searxng_results_whose_engines_are_not_a_list_of_names(engines):
 
 @pytest.mark.parametrize("unresponsive", [{"google": "timeout"}, 3, "google", [["google", "timeout"], 5]])
 def test_searxng_unresponsive_engines_of_any_shape(unresponsive):
-    result = search("tides", provider="searxng", client=OneAnswer({"results": [], "unresponsive_engines": unresponsive}))
+    result = search("tides", provider="searxng",
+                    client=OneAnswer({"results": [], "unresponsive_engines": unresponsive}))
     if isinstance(unresponsive, list):
         assert code(result) == "search_provider_error" and "google" in result["error"]["message"]
     else:  # not SearXNG's shape: no engines to name, an empty answer

@@ -79,7 +79,8 @@ def test_error_codes_and_readme_table():
     e = WebError("web_blocked", "no", reason="address_not_public").as_dict()
     assert e == {"error": {"code": "web_blocked", "message": "no", "reason": "address_not_public"}}
     readme = (ROOT / "README.md").read_text()
-    assert markdown_table() in readme, "README's web tools error table differs from webtools/errors.py: paste markdown_table()"
+    assert markdown_table() in readme, ("README's web tools error table differs from webtools/errors.py: paste "
+                                        "markdown_table()")
     # Every code the tools can raise is in the table.
     raised = set()
     for path in (ROOT / "webtools").glob("*.py"):
@@ -170,9 +171,10 @@ SITEMAP = (b'<?xml version="1.0" encoding="UTF-8"?>\n<urlset xmlns="http://www.s
 def test_sitemap_parsing():
     assert parse_sitemap(SITEMAP) == {"kind": "sitemap", "complete": True, "total": 2, "dropped": 0, "urls": [
         {"loc": "https://example.com/b", "lastmod": "2024-01-02"}, {"loc": "https://example.com/a"}]}
-    assert parse_sitemap(gzip.compress(SITEMAP), result_cap=1) == {"kind": "sitemap", "complete": False, "total": 2,
-                                                                    "dropped": 0}
-    index = b'<sitemapindex xmlns="http://www.sitemaps.org/schemas/sitemap/0.9"><sitemap><loc>https://e.com/s1.xml</loc></sitemap></sitemapindex>'
+    assert parse_sitemap(gzip.compress(SITEMAP), result_cap=1) == \
+        {"kind": "sitemap", "complete": False, "total": 2, "dropped": 0}
+    index = (b'<sitemapindex '
+             b'xmlns="http://www.sitemaps.org/schemas/sitemap/0.9"><sitemap><loc>https://e.com/s1.xml</loc></sitemap></sitemapindex>')
     assert parse_sitemap(index)["sitemaps"] == [{"loc": "https://e.com/s1.xml"}]
     many = b"<urlset>" + b"<url><loc>https://e.com/x</loc></url>" * 11 + b"</urlset>"
     with pytest.raises(WebError) as e:
@@ -180,7 +182,8 @@ def test_sitemap_parsing():
     assert e.value.code == "web_too_large"
     billion_laughs = (b'<?xml version="1.0"?><!DOCTYPE lolz [<!ENTITY lol "lol"><!ENTITY lol2 "&lol;&lol;&lol;">]>'
                       b'<urlset><url><loc>&lol2;</loc></url></urlset>')
-    external = b'<?xml version="1.0"?><!DOCTYPE u [<!ENTITY x SYSTEM "file:///etc/passwd">]><urlset><url><loc>&x;</loc></url></urlset>'
+    external = (b'<?xml version="1.0"?><!DOCTYPE u [<!ENTITY x SYSTEM '
+                b'"file:///etc/passwd">]><urlset><url><loc>&x;</loc></url></urlset>')
     for bad in (billion_laughs, external, b"<html><body>hi</body></html>", b"not xml", b"", b"{}"):
         with pytest.raises(WebError) as e:
             parse_sitemap(bad)
@@ -233,7 +236,8 @@ def test_tool_table_schemas_and_call():
     assert set(TOOLS) == {"fetch", "source_read", "read", "request", "sitemap", "search"}
     for tool in TOOLS.values():
         schema = json_schema(tool)
-        assert schema["additionalProperties"] is False and "url" in schema["properties"] or tool.name in ("source_read", "search")
+        assert schema["additionalProperties"] is False and "url" in schema["properties"] \
+            or tool.name in ("source_read", "search")
         assert tool.mcp_name == "web_" + tool.name and len(tool.description) > 100
     assert call("fetch", {"url": "https://e.com/", "bogus": 1})["error"]["code"] == "web_bad_argument"
     assert call("read", {})["error"]["code"] == "web_bad_argument"
