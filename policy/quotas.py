@@ -262,8 +262,7 @@ def admit_connection(counters: Counters, limits: Limits, source: str | None) -> 
         return None
     return Refusal(Reason.TOO_MANY_CONNECTIONS,
                    f"{source or 'this address'} already has {limits.max_connections} connections open through the "
-                   "proxy, "
-                   "this policy's max_connections for it",
+                   "proxy, this policy's max_connections for it",
                    advice="Reuse an open connection (keep-alive) or close one, then retry.")
 
 
@@ -350,6 +349,5 @@ def over_connections(counters: Counters, limits: Limits, source: str | None) -> 
 def _too_many_connections(limits: Limits, source: str | None) -> Refusal:
     return Refusal(Reason.TOO_MANY_CONNECTIONS,
                    f"{source or 'this address'} already has {limits.max_connections} connections open through the "
-                   "proxy, "
-                   "this policy's max_connections for it",
+                   "proxy, this policy's max_connections for it",
                    advice="Reuse an open connection (keep-alive) or close one, then retry.")

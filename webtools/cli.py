@@ -69,8 +69,8 @@ def add_parsers(sub) -> None:
                        description="Search the web through the Sluice proxy. The provider is --provider, else "
                                    "SLUICE_SEARCH_PROVIDER, else the first configured of SERPER_API_KEY, "
                                    "BRAVE_SEARCH_API_KEY, TAVILY_API_KEY, FIRECRAWL_API_KEY/FIRECRAWL_URL, "
-                                   "SEARXNG_URL, "
-                                   "else DuckDuckGo. Keys come from the environment (or VAR_FILE), never from "
+                                   "SEARXNG_URL, else DuckDuckGo. Keys come from the environment (or VAR_FILE), never "
+                                   "from "
                                    "arguments. Exit 1 on an error.")
     p.add_argument("query", metavar="QUERY", nargs="+", help="the words to search for")
     p.add_argument("--count", type=int, default=10, metavar="N", help="how many results, 1 to 20 (default 10)")

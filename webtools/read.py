@@ -51,8 +51,7 @@ def read(url: str, *, client: WebClient | None = None, max_text_chars: int = MAX
             raise WebError("web_page_too_large",
                            f"the visible text of {fetched.final_url} is {len(text):,} characters, "
                            f"more than one result holds ({max_text_chars:,}); no text is returned: this is not the "
-                           "page, "
-                           "so do not summarise it; use fetch to page through it", chars=len(text), sha256=digest,
+                           "page, so do not summarise it; use fetch to page through it", chars=len(text), sha256=digest,
                            url=fetched.url, final_url=fetched.final_url)
         return {
             "kind": "page",

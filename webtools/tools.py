@@ -261,8 +261,7 @@ def call(tool_name: str, arguments: dict) -> dict:
             traceback.print_exc(file=sys.stderr)
         return {"error": {"code": "web_internal_error", "exception": type(e).__name__,
                           "message": f"{tool.mcp_name} failed with an internal error ({type(e).__name__}); this is a "
-                                     "bug "
-                                     "in the web tools, not something to retry another way (SLUICE_DEBUG=1 prints "
+                                     "bug in the web tools, not something to retry another way (SLUICE_DEBUG=1 prints "
                                      "the traceback on stderr)"}}
 
 

@@ -695,8 +695,8 @@ def test_websocket_pipes_under_load_are_all_cut_at_the_cap(proxy, origin):
     elapsed = time.monotonic() - started
     rss_after = rss_kib(pid)
     print(f"\nwebsocket pipes: {PIPE_ROUNDS * PIPES} pipes ({PIPES} at a time, each pushing up to {PIPE_PUSH // MIB} "
-          "MiB) "
-          f"cut at {TUNNEL_CAP // KIB} KiB in {elapsed:.1f}s; RSS {rss_before} -> peak {peak.peak} -> {rss_after} KiB")
+          f"MiB) cut at {TUNNEL_CAP // KIB} KiB in {elapsed:.1f}s; RSS {rss_before} -> peak {peak.peak} -> {rss_after} "
+          f"KiB")
     top = max(peak.peak, rss_after)
     assert top - rss_before < PIPE_RSS_PEAK_KIB, f"RSS peaked {top - rss_before} KiB over the baseline"
     errors = proxy_errors(proxy, stderr_mark)

@@ -638,8 +638,8 @@ clients:
     line, col, message = one(text)
     assert (line, col) == (6, 29)
     assert message == ("sources entry 'fd00:20:0:0::/64' is also in client profile 'ci' (line 4): a client from there "
-                       "always "
-                       "matches 'ci', the first profile, so this entry never matches; give each network to one profile")
+                       "always matches 'ci', the first profile, so this entry never matches; give each network to one "
+                       "profile")
 
 
 def test_nested_source_networks_are_fine_the_most_specific_wins():
