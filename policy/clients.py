@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import netaddr
@@ -68,8 +69,8 @@ def verify_password(verifier: str, password: str) -> bool:
     if len(parts) != 4 or parts[0] != "pbkdf2_sha256":
         return False
     _, iterations, salt, expected = parts
-    digest = hashlib.pbkdf2_hmac("sha256", password.encode(), bytes.fromhex(salt), int(iterations))
-    return hmac.compare_digest(digest.hex(), expected)
+    derived = hashlib.pbkdf2_hmac("sha256", password.encode(), bytes.fromhex(salt), int(iterations))
+    return hmac.compare_digest(derived.hex(), expected)
 
 
 def _source_address(source: str) -> netaddr.IPAddress:
@@ -220,12 +221,14 @@ def match_client(
     source: str | None,
     username: str | None = None,
     password: str | None = None,
-    verify=verify_password,
+    verify: Callable[[str, str], bool] = verify_password,
     via: str = VIA_HTTP,
 ) -> ClientMatch:
     """`identify`, then `verify(verifier, password) -> bool` if a password
     decides: the whole match in one synchronous call (CLI, tests)."""
     step = identify(policy, source, username, password, via)
     if isinstance(step, PasswordCheck):
-        return checked(policy, step, step.verifier is not None and verify(step.verifier, password))
+        # identify() asks for a password check only when a password was given.
+        return checked(policy, step, step.verifier is not None and password is not None
+                       and verify(step.verifier, password))
     return step

@@ -123,7 +123,7 @@ def credential_for(rules: Rules, host: Host | str | None) -> Credential | None:
     return None
 
 
-def plain_http_refusal(entry: Credential, host: Host | str, scheme: str | None) -> Refusal | None:
+def plain_http_refusal(entry: Credential, host: Host | str | None, scheme: str | None) -> Refusal | None:
     """A refusal when `entry` would be sent in clear (plain http) and does not allow it."""
     if entry.allow_plain_http or (scheme or "").lower() != "http" or not entry.headers:
         return None

@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import ipaddress
 from dataclasses import dataclass
+from typing import Any
 
 import netaddr
 
@@ -66,7 +67,8 @@ class Decision:
         return r.reason if r else None
 
 
-def _refuse(reason: Reason, detail: str, host: Host | None = None, rule: Rule | None = None, **kw) -> Decision:
+def _refuse(reason: Reason, detail: str, host: Host | None = None, rule: Rule | None = None,
+            **kw: Any) -> Decision:
     return Decision(False, host, Refusal(reason, detail, rule.origin if rule else None), **kw)
 
 

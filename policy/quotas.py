@@ -38,6 +38,9 @@ from typing import Protocol
 from sluice.policy.model import Limits
 from sluice.policy.reasons import Reason, Refusal
 
+# A counter's key: a kind tag, then who (profile, user or source) and what.
+QuotaKey = tuple[str | None, ...]
+
 HOUR = 3600.0
 MINUTE = 60.0
 SWEEP_SECONDS = 10.0
@@ -153,7 +156,7 @@ class MemoryCounters:
         for k in ended:
             del self._windows[k]
 
-    def _make_room(self, table: dict, now: float) -> None:
+    def _make_room(self, table: dict[Hashable, list[float]], now: float) -> None:
         if len(table) < self.max_keys:
             return
         self.sweep(now)
@@ -175,7 +178,7 @@ def source_group(source: str | None, ipv6_prefix: int = 64) -> str | None:
         return source
 
 
-def client_key(profile: str | None, user: str | None, source: str | None) -> tuple:
+def client_key(profile: str | None, user: str | None, source: str | None) -> QuotaKey:
     """The client a request is counted against: its proxy user once known
     (with the profile it matched), else its source (`source_group`)."""
     if user:
@@ -183,16 +186,16 @@ def client_key(profile: str | None, user: str | None, source: str | None) -> tup
     return ("addr", source)
 
 
-def connection_key(source: str | None) -> tuple:
+def connection_key(source: str | None) -> QuotaKey:
     """`source`: the connection's `source_group`."""
     return ("conn", source)
 
 
-def tunnel_key(client: tuple) -> tuple:
+def tunnel_key(client: QuotaKey) -> QuotaKey:
     return ("tunnels",) + client
 
 
-def bytes_key(client: tuple) -> tuple:
+def bytes_key(client: QuotaKey) -> QuotaKey:
     return ("bytes",) + client
 
 
@@ -221,13 +224,14 @@ def size_text(n: int) -> str:
 def transfer_refusal(limits: Limits, resets_in: float, *, cut: bool = False) -> Refusal:
     """`bytes_per_hour` used up: a new request's refusal, or (`cut`) why an
     open tunnel was closed."""
+    assert limits.bytes_per_hour is not None  # only a quota that is set can be used up
     retry = _seconds(resets_in)
     what = ("this agent used up its hourly transfer quota" if cut else "this agent has used its hourly transfer quota")
     return Refusal(Reason.QUOTA_EXCEEDED,
                    f"{what} of {size_text(limits.bytes_per_hour)}; it resets in {_when(retry)}", retry_after=retry)
 
 
-def check_request(counters: Counters, limits: Limits, client: tuple, host: str, now: float) -> Refusal | None:
+def check_request(counters: Counters, limits: Limits, client: QuotaKey, host: str, now: float) -> Refusal | None:
     """A new request (an HTTP request, a CONNECT, a SOCKS5 or transparent
     connection): the transfer quota, the request rate and the per-host rate,
     in that order. A request that passes has taken its tokens."""
@@ -266,7 +270,7 @@ def admit_connection(counters: Counters, limits: Limits, source: str | None) -> 
                    advice="Reuse an open connection (keep-alive) or close one, then retry.")
 
 
-def admit_tunnel(counters: Counters, limits: Limits, client: tuple) -> Refusal | None:
+def admit_tunnel(counters: Counters, limits: Limits, client: QuotaKey) -> Refusal | None:
     """Count an open tunnel against the client's `max_tunnels`."""
     if counters.acquire(tunnel_key(client), limits.max_tunnels):
         return None
@@ -291,7 +295,7 @@ class TransferMeter:
     fewer than `n` means the quota ran out and the tunnel must be closed."""
 
     counters: Counters
-    client: tuple
+    client: QuotaKey
     limit: int
 
     def __call__(self, n: int, now: float) -> int:
@@ -319,7 +323,7 @@ def source_reserve(total: int) -> int:
     return min(max(SOURCE_RESERVE_MIN, math.ceil(total * SOURCE_RESERVE_FRACTION)), total // 2)
 
 
-def source_slots_key(source: str | None) -> tuple:
+def source_slots_key(source: str | None) -> QuotaKey:
     """Every open connection of a source (its `source_group`), admitted or not."""
     return ("open", source)
 
