@@ -24,7 +24,7 @@ import asyncio
 import logging
 import sys
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from mitmproxy import ctx, http
 

@@ -51,7 +51,9 @@ def make_addons(*, lifecycle: bool = False, metrics: bool = False) -> list:
         operations.append(Metrics(audit, source, connstate.open_tunnels))
         on_drop = OTLP_DROPPED.inc
     operations.append(OtlpExport(audit, on_drop))  # off unless an endpoint is given (addons/otlp.py)
-    return [Guardrails(), source, ConnectionAudit(audit), ConnRelease(audit), OriginHeaders(), gate, Quotas(source, audit, caps, gate), Upstreams(gate, audit), CredentialInjector(source, audit), RedirectGuard(source), UpgradeGuard(caps, source), caps, HeadLimits(source, audit), audit, *operations]
+    return [Guardrails(), source, ConnectionAudit(audit), ConnRelease(audit), OriginHeaders(), gate,
+            Quotas(source, audit, caps, gate), Upstreams(gate, audit), CredentialInjector(source, audit),
+            RedirectGuard(source), UpgradeGuard(caps, source), caps, HeadLimits(source, audit), audit, *operations]
 
 
 addons = make_addons()

@@ -85,7 +85,8 @@ def check_request(rules: Rules, dest: Destination) -> Decision:
     if dest.scheme is not None and dest.scheme.lower() not in ALLOWED_SCHEMES:
         return Decision(False, None, scheme_refusal(dest.scheme))
     if dest.has_credentials:
-        return _refuse(Reason.URL_CREDENTIALS, "URLs with user:password@ credentials are not allowed; send credentials in headers instead")
+        return _refuse(Reason.URL_CREDENTIALS,
+                       "URLs with user:password@ credentials are not allowed; send credentials in headers instead")
     try:
         host = parse_host(dest.host)
     except HostError as e:
@@ -93,7 +94,8 @@ def check_request(rules: Rules, dest: Destination) -> Decision:
     if not (0 < dest.port < 65536):
         return _refuse(Reason.PORT_NOT_ALLOWED, f"port {dest.port} is not a valid port", host)
     if dest.port not in rules.ports and not _private_port_exists(rules, dest.port):
-        return _refuse(Reason.PORT_NOT_ALLOWED, f"port {dest.port} is not allowed (allowed ports: {_ports(rules)})", host)
+        return _refuse(Reason.PORT_NOT_ALLOWED, f"port {dest.port} is not allowed (allowed ports: {_ports(rules)})",
+                       host)
 
     soft: Refusal | None = None  # a host/method/rule refusal, which report mode lets through
     allow_rule: Rule | None = None
@@ -104,26 +106,30 @@ def check_request(rules: Rules, dest: Destination) -> Decision:
             return _refuse(Reason.INTERNAL_HOSTNAME, f"{host.name} is {why}", host)
 
     judged = _judge_rules(rules, host, dest)
-    ruled = judged is not None and judged.rule is not None and judged.hostile is None
+    # The rule that decides: the first matching one, unless the path is refused first (`hostile`).
+    request_rule = judged.rule if judged is not None and judged.hostile is None else None
     path = judged.path if judged is not None and judged.hostile is None else None
     if judged is not None and judged.hostile is not None:
-        soft = Refusal(Reason.RULE_DENIED, _hostile_detail(host, judged), judged.rule.origin, advice=HOSTILE_PATH_ADVICE)
-    elif ruled and judged.rule.action == "deny":
-        soft = Refusal(Reason.RULE_DENIED, _denied_detail(host, dest, judged), judged.rule.origin)
-    elif ruled:
+        assert judged.rule is not None  # a hostile path is refused only where a rule names the host
+        soft = Refusal(Reason.RULE_DENIED, _hostile_detail(host, judged.hostile, judged.rule), judged.rule.origin,
+                       advice=HOSTILE_PATH_ADVICE)
+    elif request_rule is not None and request_rule.action == "deny":
+        soft = Refusal(Reason.RULE_DENIED, _denied_detail(host, dest, path, request_rule), request_rule.origin)
+    elif request_rule is not None:
         # An allow rule replaces the host-level allow/deny/methods step only.
-        allow_rule = Rule(judged.rule.text, judged.rule.origin)
+        allow_rule = Rule(request_rule.text, request_rule.origin)
     else:
         if dest.method is not None and dest.method.upper() not in rules.methods:
-            soft = Refusal(Reason.METHOD_NOT_ALLOWED, f"the method {dest.method} is not allowed (allowed: {', '.join(sorted(rules.methods))})")
+            soft = Refusal(Reason.METHOD_NOT_ALLOWED,
+                           f"the method {dest.method} is not allowed (allowed: {', '.join(sorted(rules.methods))})")
         deny_rule = rules.deny.match_host(host)
         if deny_rule:
-            soft = soft or Refusal(Reason.HOST_DENIED, f"{host} is denied by the rule {deny_rule.text!r}", deny_rule.origin)
+            soft = soft or Refusal(Reason.HOST_DENIED, f"{host} is denied by the rule {deny_rule.text!r}",
+                                   deny_rule.origin)
         elif rules.allow is not None:
             allow_rule = rules.allow.match_host(host)
             if not allow_rule and not (isinstance(host, NameHost) and rules.allow.addresses):
                 soft = soft or Refusal(Reason.HOST_NOT_ALLOWED, f"{host} is not on this policy's allow list")
-    request_rule = judged.rule if ruled else None
 
     if isinstance(host, IPHost):
         return _check_addresses(rules, host, dest.port, (host.address,), soft, allow_rule, literal=True,
@@ -146,15 +152,15 @@ def _judge_rules(rules: Rules, host: Host, dest: Destination) -> RuleMatch | Non
     return rules.request_rules.judge(host, dest.method, dest.target)
 
 
-def _hostile_detail(host: Host, judged: RuleMatch) -> str:
-    return (f"the path contains {judged.hostile}, which origins decode in different ways, and request rules govern "
-            f"{host} (the first naming it is at {judged.rule.origin}), so its paths may not contain %2F, %5C, %2E%2E, "
+def _hostile_detail(host: Host, hostile: str, first: RequestRule) -> str:
+    return (f"the path contains {hostile}, which origins decode in different ways, and request rules govern "
+            f"{host} (the first naming it is at {first.origin}), so its paths may not contain %2F, %5C, %2E%2E, "
             "a backslash or ';'")
 
 
-def _denied_detail(host: Host, dest: Destination, judged: RuleMatch) -> str:
-    what = f"{(dest.method or 'GET').upper()} {judged.path}" if judged.path is not None else "a tunnel"
-    return f"{what} on {host} is denied by the rule at {judged.rule.origin} ({judged.rule.text})"
+def _denied_detail(host: Host, dest: Destination, path: str | None, rule: RequestRule) -> str:
+    what = f"{(dest.method or 'GET').upper()} {path}" if path is not None else "a tunnel"
+    return f"{what} on {host} is denied by the rule at {rule.origin} ({rule.text})"
 
 
 def check_answers(
@@ -167,7 +173,8 @@ def check_answers(
     for alias in cnames:
         why = internal_name(alias)
         if why:
-            return _refuse(Reason.DNS_ANSWER_NOT_PUBLIC, f"{pending.host} is an alias (CNAME) of {alias}, which is {why}",
+            return _refuse(Reason.DNS_ANSWER_NOT_PUBLIC,
+                           f"{pending.host} is an alias (CNAME) of {alias}, which is {why}",
                            pending.host, port=pending.port)
     if not addresses:
         return _refuse(Reason.DNS_FAILED, f"{pending.host} has no address records", pending.host, port=pending.port)
@@ -197,7 +204,8 @@ def _check_addresses(
         non_public = classify(address)
         if non_public is not None and opened is None:
             what = address if literal else f"{host} resolves to {address}, which"
-            return _refuse(reason, f"{what} is {non_public.name} ({non_public.cidr}); only public internet addresses are reachable",
+            return _refuse(reason, f"{what} is {non_public.name} ({non_public.cidr}); only public internet addresses "
+                                   "are reachable",
                            host, addresses=addresses, port=port)
         if opened is not None and (opened.port is not None or port in rules.ports):
             rule = rule or opened.rule
@@ -207,7 +215,8 @@ def _check_addresses(
         # A request rule that decided replaces the host-level deny (by address too).
         deny_rule = rules.deny.match_ip(address) if not literal and request_rule is None else None
         if deny_rule and soft is None:
-            soft = Refusal(Reason.HOST_DENIED, f"{host} resolves to {address}, which is denied by the rule {deny_rule.text!r}", deny_rule.origin)
+            soft = Refusal(Reason.HOST_DENIED, f"{host} resolves to {address}, which is denied by the rule "
+                                               f"{deny_rule.text!r}", deny_rule.origin)
     if soft is not None and rules.action != "report":
         return Decision(False, host, soft, None, addresses=addresses, port=port, request_rule=request_rule)
     return Decision(True, host, None, soft, address=_pick(addresses), addresses=addresses, rule=rule, port=port,
@@ -295,7 +304,8 @@ def check_own_address(rules: Rules, addresses: tuple[str, ...] | list[str], port
         if opened is not None and opened.port == port:
             continue
         return Refusal(Reason.PROXY_LOOP, f"{ip}:{port} is an address of the proxy's own host, not a destination "
-                                          f"(the proxy, its admin endpoint and the host's other services are never reachable through it)")
+                                          "(the proxy, its admin endpoint and the host's other services are never "
+                                          "reachable through it)")
     return None
 
 

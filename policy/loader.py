@@ -10,6 +10,7 @@ only `load_policy_file` touches the file system (and `password_file` entries).
 from __future__ import annotations
 
 import difflib
+import enum
 import hashlib
 import math
 import os
@@ -17,7 +18,7 @@ import re
 import stat
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 from collections.abc import Callable, Mapping
 
 import yaml
@@ -61,7 +62,8 @@ class PolicyInvalid(Exception):
 
 
 # Keys a profile may override, and the top level may set.
-RULE_KEYS = ("action", "allow", "deny", "ports", "methods", "private_networks", "limits", "intercept", "strip_request_headers",
+RULE_KEYS = ("action", "allow", "deny", "ports", "methods", "private_networks", "limits", "intercept",
+             "strip_request_headers",
              "refusal_note", "credentials", "rules")
 TOP_KEYS = ("version",) + RULE_KEYS + ("dns", "clients", "require_client", "proxy_addresses")
 PROFILE_KEYS = ("name", "users", "sources") + RULE_KEYS
@@ -74,7 +76,8 @@ REQUEST_RULE_ACTIONS = ("allow", "deny")
 REQUEST_RULE_KEYS = ("hosts", "methods", "paths", "query")
 SIZE_LIMITS = {"max_response_bytes", "max_request_bytes", "tunnel_max_bytes", "max_header_bytes", "bytes_per_hour",
                "h2_stream_buffer_bytes"}
-COUNT_LIMITS = {"max_header_count", "max_connections", "max_total_connections", "max_tunnels", "burst", "h2_max_concurrent_streams",
+COUNT_LIMITS = {"max_header_count", "max_connections", "max_total_connections", "max_tunnels", "burst",
+                "h2_max_concurrent_streams",
                 "max_requests_per_host_per_minute", "max_upstreams_per_connection"}
 RATE_LIMITS = {"requests_per_second"}
 PREFIX_LIMITS = {"ipv6_client_prefix"}
@@ -88,7 +91,8 @@ OPTIONAL_LIMITS = {"tunnel_max_bytes", "tunnel_max_seconds", "max_connections", 
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h)?\s*$")
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(B|KB|KiB|MB|MiB|GB|GiB|TB|TiB)?\s*$", re.I)
-_SIZE_UNITS = {"b": 1, "kb": 10**3, "kib": 2**10, "mb": 10**6, "mib": 2**20, "gb": 10**9, "gib": 2**30, "tb": 10**12, "tib": 2**40}
+_SIZE_UNITS = {"b": 1, "kb": 10**3, "kib": 2**10, "mb": 10**6, "mib": 2**20, "gb": 10**9, "gib": 2**30, "tb": 10**12,
+               "tib": 2**40}
 _DURATION_UNITS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, None: 1}
 _METHOD = re.compile(r"^[A-Z][A-Z-]{0,31}$")
 _HEADER = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")
@@ -138,8 +142,8 @@ _QUOTED = re.compile(r"'(?:[^'\\]|\\.)*'|\"(?:[^\"\\]|\\.)*\"")
 def _yaml_message(text: str | None) -> str:
     """PyYAML's problem text, with anything it quotes from the file (an alias
     or tag name, a character) cut to a snippet."""
-    def cut(m: re.Match) -> str:
-        quoted = m.group(0)
+    def cut(m: re.Match[str]) -> str:
+        quoted: str = m.group(0)
         return quoted if len(quoted) <= SNIPPET_CHARS + 2 else quoted[: SNIPPET_CHARS + 1] + "…" + quoted[-1]
     return _clean(_QUOTED.sub(cut, text or "unknown error"))
 
@@ -294,7 +298,8 @@ class _Reader:
                 self.problem(key_node, f"keys in {what} must be strings")
                 continue
             if key in out:
-                self.problem(key_node, f"{_q(key)} appears twice in {what} (first at line {out[key][0].start_mark.line + 1})")
+                self.problem(key_node,
+                             f"{_q(key)} appears twice in {what} (first at line {out[key][0].start_mark.line + 1})")
                 continue
             if key not in allowed:
                 self.problem(key_node, _unknown_key(key, allowed, what))
@@ -358,7 +363,8 @@ class _Reader:
                 continue
             if value.upper() not in STANDARD_METHODS:
                 hint = difflib.get_close_matches(value.upper(), sorted(STANDARD_METHODS), n=1)
-                self.problem(item, f"methods: {_q(value)} is not a standard HTTP method" + (f"; did you mean {_q(hint[0])}?" if hint else ""))
+                self.problem(item, f"methods: {_q(value)} is not a standard HTTP method"
+                             + (f"; did you mean {_q(hint[0])}?" if hint else ""))
                 continue
             out.add(value.upper())
         return frozenset(out)
@@ -392,7 +398,8 @@ class _Reader:
                 out.add(canonical_ip(value))
             except ValueError:
                 shown = "this entry" if value is _NOT_SCALAR else _q(value)
-                self.problem(item, f"proxy_addresses: {shown} must be an IP address such as '203.0.113.7' or '2001:db8::7' "
+                self.problem(item,
+                             f"proxy_addresses: {shown} must be an IP address such as '203.0.113.7' or '2001:db8::7' "
                                    "(one address of this host, no CIDR or port)")
         return frozenset(out)
 
@@ -421,9 +428,11 @@ class _Reader:
         if not text:
             self.problem(node, "refusal_note is empty; write a sentence (e.g. who to ask for access) or remove the key")
         elif len(text) > MAX_NOTE_CHARS:
-            self.problem(node, f"refusal_note is {len(text)} characters; keep it to one sentence of at most {MAX_NOTE_CHARS}")
+            self.problem(node,
+                         f"refusal_note is {len(text)} characters; keep it to one sentence of at most {MAX_NOTE_CHARS}")
         elif not text.isprintable():
-            self.problem(node, "refusal_note must be one line of printable text (no line breaks, tabs or control characters)")
+            self.problem(node,
+                         "refusal_note must be one line of printable text (no line breaks, tabs or control characters)")
         else:
             return text
         return base
@@ -449,13 +458,15 @@ class _Reader:
             if not texts and isinstance(hosts_node, (yaml.SequenceNode, yaml.ScalarNode)):
                 self.problem(hosts_node, "credentials hosts is empty: name the hosts these headers are for")
             if hosts.everything:
-                self.problem(hosts_node, "credentials hosts may not be '*': a secret would go to every host; name its hosts")
+                self.problem(hosts_node,
+                             "credentials hosts may not be '*': a secret would go to every host; name its hosts")
             for address in hosts.addresses.entries:
                 if address.prefixlen != (32 if address.version == 4 else 128):
                     self.problem(hosts_node, f"credentials hosts: {_q(address.rule.text)} is a network; name single "
                                              "hosts (or IP addresses) a secret may go to")
             if texts in seen_hosts:
-                self.problem(hosts_node, f"credentials: this hosts list is already an entry (line {seen_hosts[texts]}); "
+                self.problem(hosts_node,
+                             f"credentials: this hosts list is already an entry (line {seen_hosts[texts]}); "
                                          "give each hosts list one entry")
             seen_hosts.setdefault(texts, item.start_mark.line + 1)
             headers = self.credential_headers(keys["set_headers"][1], top_level)
@@ -463,7 +474,8 @@ class _Reader:
             if "allow_plain_http" in keys:
                 value = self.scalar(keys["allow_plain_http"][1])
                 if not isinstance(value, bool):
-                    self.problem(keys["allow_plain_http"][1], f"allow_plain_http must be true or false, not {_q(value)}")
+                    self.problem(keys["allow_plain_http"][1],
+                                 f"allow_plain_http must be true or false, not {_q(value)}")
                 else:
                     plain = value
             entry = creds.Credential(hosts=hosts, hosts_text=texts, headers=headers, allow_plain_http=plain,
@@ -491,7 +503,8 @@ class _Reader:
                 continue
             names.add(name.lower())
             if name.lower() in creds.FORBIDDEN_HEADERS:
-                self.problem(key_node, f"set_headers: {_q(name)} frames or routes the request; a credential cannot set it")
+                self.problem(key_node,
+                             f"set_headers: {_q(name)} frames or routes the request; a credential cannot set it")
                 continue
             if not isinstance(value_node, yaml.MappingNode):
                 # Never quote it: it may be the secret itself.
@@ -551,7 +564,7 @@ class _Reader:
             return None
         return creds.CredentialHeader(name, source, creds.Secret(creds.format_value(raw, fmt)), path, fmt)
 
-    def _credential_file(self, name: str, text: str, where: yaml.Node) -> object:
+    def _credential_file(self, name: str, text: str, where: yaml.Node) -> str | None | Literal[_Unread.NOT_READ]:
         """The file's text (None when files are not read), or _NOT_READ after a problem."""
         if self.read_secret is None:
             return None
@@ -598,7 +611,8 @@ class _Reader:
                 continue
             if len(keys) != 1:
                 if len(keys) > 1 or not item.value:
-                    self.problem(item, "a rules entry is one of `allow: {hosts: [...], ...}` or `deny: {hosts: [...], ...}`")
+                    self.problem(item,
+                                 "a rules entry is one of `allow: {hosts: [...], ...}` or `deny: {hosts: [...], ...}`")
                 continue
             action, (_, spec_node) = next(iter(keys.items()))
             rule = self.request_rule(action, spec_node, item)
@@ -625,21 +639,25 @@ class _Reader:
             methods_node = spec["methods"][1]
             methods = self.methods(methods_node)
             if not methods and len(self.problems) == before:
-                self.problem(methods_node, "rules methods is empty, so the rule could never match; leave `methods` out for any method")
+                self.problem(methods_node, "rules methods is empty, so the rule could never match; leave `methods` out "
+                                           "for any method")
             if "CONNECT" in methods:
-                self.problem(methods_node, "rules methods: CONNECT never reaches a rule with `methods` (a CONNECT is decided "
-                                           "by the rules with only `hosts`, and an intercepted one by the requests inside); "
-                                           "remove it")
+                self.problem(methods_node,
+                             "rules methods: CONNECT never reaches a rule with `methods` (a CONNECT is decided "
+                                           "by the rules with only `hosts`, and an intercepted one by the requests "
+                                           "inside); remove it")
         paths = None
         if "paths" in spec:
             compiled = []
             for path_node in self.sequence(spec["paths"][1], "rules paths"):
                 try:
-                    compiled.append(PathPattern.compile(self.scalar(path_node) if isinstance(path_node, yaml.ScalarNode) else None))
+                    compiled.append(PathPattern.compile(self.scalar(path_node)
+                                                        if isinstance(path_node, yaml.ScalarNode) else None))
                 except PathPatternError as e:
                     self.problem(path_node, f"rules paths: {_scrub(e, self.scalar(path_node))}")
             if not compiled and len(self.problems) == before:
-                self.problem(spec["paths"][1], "rules paths is empty, so the rule could never match; leave `paths` out for any path")
+                self.problem(spec["paths"][1],
+                             "rules paths is empty, so the rule could never match; leave `paths` out for any path")
             paths = tuple(compiled)
         query = None
         if "query" in spec:
@@ -647,13 +665,14 @@ class _Reader:
             if not isinstance(query_node, yaml.MappingNode) or not query_node.value:
                 self.problem(query_node, "rules query must map parameter names to globs, e.g. {state: open, page: '*'}")
             else:
-                globs = []
+                globs: list[QueryGlob] = []
                 for key_node, value_node in query_node.value:
                     name, glob = self.scalar(key_node), self.scalar(value_node)
                     if not isinstance(name, str) or not name:
                         self.problem(key_node, "rules query: each key must be a parameter name")
                     elif isinstance(glob, bool) or not isinstance(glob, (str, int)):
-                        self.problem(value_node, f"rules query: the glob for {_q(name)} must be text such as 'open' or '*'")
+                        self.problem(value_node,
+                                     f"rules query: the glob for {_q(name)} must be text such as 'open' or '*'")
                     elif any(q.name == name for q in globs):
                         self.problem(key_node, f"rules query: {_q(name)} is listed twice")
                     else:
@@ -683,11 +702,14 @@ class _Reader:
                     reported.add((id(rule), text))
                     item = next((n for n in self.sequence(node, "rules hosts") if self.scalar(n) == text), node)
                     where = f"client profile {_q(profile)}'s" if profile is not None else "the top level's"
-                    kinds = " and ".join(k for k, v in (("methods", rule.methods), ("paths", rule.paths), ("query", rule.query))
+                    kinds = " and ".join(k for k,
+                                         v in (("methods", rule.methods), ("paths", rule.paths), ("query", rule.query))
                                          if v is not None)
-                    self.problem(item, f"the rule at {rule.origin} checks {kinds} on {_q(text)}, which {where} `intercept` "
-                                       f"does not name, so its HTTPS requests pass through a tunnel the proxy never sees: "
-                                       f"add {_q(text)} to {where} `intercept`, or keep only `hosts` in this rule")
+                    self.problem(item,
+                                 f"the rule at {rule.origin} checks {kinds} on {_q(text)}, which {where} `intercept` "
+                                       "does not name, so its HTTPS requests pass through a tunnel the proxy never "
+                                       f"sees: add {_q(text)} to {where} `intercept`, or keep only `hosts` in this "
+                                       f"rule")
 
     def limits(self, node: yaml.Node, base: Limits) -> Limits:
         changes: dict[str, Any] = {}
@@ -714,10 +736,11 @@ class _Reader:
                 self.problem(value_node, f"limits.{key}: {e}")
         limits = replace(base, **changes)
         if limits.h2_max_concurrent_streams > H2_MAX_SETTING:
-            self.problem(node, f"limits.h2_max_concurrent_streams: {limits.h2_max_concurrent_streams} is more than HTTP/2 can "
-                               f"announce (at most {H2_MAX_SETTING})")
+            self.problem(node, f"limits.h2_max_concurrent_streams: {limits.h2_max_concurrent_streams} is more than "
+                               f"HTTP/2 can announce (at most {H2_MAX_SETTING})")
         if "burst" in changes and limits.burst is not None and limits.requests_per_second is None:
-            self.problem(node, "limits.burst has no effect without limits.requests_per_second (the rate its bucket refills at)")
+            self.problem(node, "limits.burst has no effect without limits.requests_per_second (the rate its bucket "
+                               "refills at)")
         return limits
 
     def dns(self, node: yaml.Node) -> DnsSettings:
@@ -791,15 +814,16 @@ class _Reader:
                 continue
             probe = key if kind != "subdomains" else f"x.{key}"
             deny = rules.deny.match_name(probe)
-            covers = deny and (kind == "exact" or _covers(rules.deny, kind, key))
-            if covers:
-                self.problem(item, f"allow entry {_q(text)} can never match: the deny rule {_q(deny.text)} ({deny.origin}) always wins")
+            if deny is not None and (kind == "exact" or _covers(rules.deny, kind, key)):
+                self.problem(item, f"allow entry {_q(text)} can never match: the deny rule {_q(deny.text)} "
+                                   f"({deny.origin}) always wins")
 
     def _never_match(self, rules: Rules, keys: dict[str, tuple[yaml.Node, yaml.Node]], top_level: bool) -> None:
         """Entries that can only match what Sluice refuses anyway are errors,
         not silent no-ops: a wildcard that covers internal names only (allow or
         deny), an exact internal name under deny, and an allow IP/CIDR whose
         every address is non-public and not opened by `private_networks`."""
+        can_match: Callable[..., bool]  # (rules, key=the entry) -> bool
         for what in ("allow", "deny"):
             node = keys[what][1] if what in keys else None
             if not isinstance(node, yaml.SequenceNode):
@@ -815,9 +839,11 @@ class _Reader:
                     if suffix is None:
                         continue
                     if what == "allow":
-                        self.problem(item, f"allow entry {_q(text)} can never match: every name it covers is an internal "
-                                           f"name (*.{suffix}), which Sluice refuses before any rule is read; only an exact "
-                                           f"entry makes an internal name reachable (e.g. {_q('wiki.' + suffix)}), never a wildcard")
+                        self.problem(item,
+                                     f"allow entry {_q(text)} can never match: every name it covers is an internal "
+                                     f"name (*.{suffix}), which Sluice refuses before any rule is read; only an exact "
+                                     f"entry makes an internal name reachable (e.g. {_q('wiki.' + suffix)}), "
+                                     "never a wildcard")
                         continue
                     # It still denies an internal name that an allow list names exactly.
                     can_match = lambda r, key=key: r.allow is not None and any(  # noqa: E731
@@ -837,8 +863,8 @@ class _Reader:
                         continue
                     can_match = lambda r, key=key: _opens_any(r.private_networks, key)  # noqa: E731
                     message = (f"allow entry {_q(text)} can never match: every address in it is non-public "
-                               f"({blocked.cidr} is {blocked.name}) and no `private_networks` entry opens any of it, so "
-                               "Sluice refuses every address it covers; to reach one, list it in `private_networks`")
+                               f"({blocked.cidr} is {blocked.name}) and no `private_networks` entry opens any of it, "
+                               "so Sluice refuses every address it covers; to reach one, list it in `private_networks`")
                 else:
                     continue
                 if can_match(rules):
@@ -868,14 +894,16 @@ class _Reader:
                 self.problem(item, "every client profile needs a `name`")
                 continue
             if name in names:
-                self.problem(keys["name"][1], f"client profile {_q(name)} is defined twice (first at line {names[name]})")
+                self.problem(keys["name"][1],
+                             f"client profile {_q(name)} is defined twice (first at line {names[name]})")
                 continue
             names[name] = item.start_mark.line + 1
             credentials = []
             if "users" in keys:
                 for user, (user_node, spec_node) in self._users(keys["users"][1]).items():
                     if user in users_seen:
-                        self.problem(user_node, f"user {_q(user)} is already in profile {_q(users_seen[user])}: a username "
+                        self.problem(user_node,
+                                     f"user {_q(user)} is already in profile {_q(users_seen[user])}: a username "
                                                 "selects exactly one profile, so this entry could never be used")
                         continue
                     users_seen[user] = name
@@ -916,9 +944,10 @@ class _Reader:
             key = (entry.version, entry.prefixlen, entry.network)
             first = seen.setdefault(key, (profile, item.start_mark.line + 1))
             if first[0] != profile:
-                self.problem(item, f"sources entry {_q(value)} is also in client profile {_q(first[0])} (line {first[1]}): "
-                                   f"a client from there always matches {_q(first[0])}, the first profile, so this entry "
-                                   "never matches; give each network to one profile")
+                self.problem(item,
+                             f"sources entry {_q(value)} is also in client profile {_q(first[0])} (line {first[1]}): "
+                                   f"a client from there always matches {_q(first[0])}, the first profile, so this "
+                                   "entry never matches; give each network to one profile")
 
     def _global_limits(self, node: yaml.Node, profile: str) -> None:
         if not isinstance(node, yaml.MappingNode):
@@ -926,10 +955,12 @@ class _Reader:
         for key_node, _ in node.value:
             key = self.scalar(key_node)
             if key in GLOBAL_LIMITS:
-                when = ("it counts every connection as it is accepted" if key in ("max_total_connections", "ipv6_client_prefix") else
+                when = ("it counts every connection as it is accepted"
+                        if key in ("max_total_connections", "ipv6_client_prefix") else
                         "it applies to the HTTP/2 connection before its requests are read" if key.startswith("h2_") else
                         "it applies while the request head is read")
-                self.problem(key_node, f"limits.{key} is global: set it in the top-level `limits`, not in client profile "
+                self.problem(key_node,
+                             f"limits.{key} is global: set it in the top-level `limits`, not in client profile "
                                        f"{_q(profile)} ({when}, before the client is known)")
 
     def _users(self, node: yaml.Node) -> dict[str, tuple[yaml.Node, yaml.Node]]:
@@ -949,7 +980,8 @@ class _Reader:
         spec = self.mapping(node, USER_KEYS, f"user {_q(user)}")
         if len(spec) != 1:
             if isinstance(node, yaml.MappingNode):
-                self.problem(node, f"user {_q(user)} needs exactly one of password_hash or password_file (never a plain password)")
+                self.problem(node, f"user {_q(user)} needs exactly one of password_hash or password_file (never a "
+                                   "plain password)")
             return None
         key, (_, value_node) = next(iter(spec.items()))
         value = self.scalar(value_node)
@@ -982,7 +1014,12 @@ class _Reader:
 
 
 _NOT_SCALAR = object()
-_NOT_READ = object()  # a credential file that could not be read (a problem was reported)
+class _Unread(enum.Enum):
+    """A credential file that could not be read (a problem was reported)."""
+    NOT_READ = "not read"
+
+
+_NOT_READ = _Unread.NOT_READ
 
 
 def _covers(deny: HostMatcher, kind: str, key: str) -> bool:
@@ -1099,7 +1136,8 @@ def _scan(root: yaml.Node, file: str, what: str = "policy") -> list[Problem]:
         node = stack.pop()
         count += 1
         if count > MAX_NODES:
-            return [Problem(file, 1, 1, f"the {what} expands to more than {MAX_NODES} YAML nodes (an alias bomb?); refusing it")]
+            return [Problem(file, 1, 1,
+                            f"the {what} expands to more than {MAX_NODES} YAML nodes (an alias bomb?); refusing it")]
         if id(node) not in seen:
             seen.add(id(node))
             mark = node.start_mark
@@ -1115,7 +1153,8 @@ def _scan(root: yaml.Node, file: str, what: str = "policy") -> list[Problem]:
                     checker.yaml_constructors[node.tag](checker, node)
                 except Exception as e:  # PyYAML raises IndexError, KeyError, AttributeError... here too
                     kind = node.tag[len(_YAML):]
-                    problems.append(Problem(file, mark.line + 1, mark.column + 1, f"{_q(node.value)} is not a valid {kind} ({_scrub(e, node.value)})"))
+                    problems.append(Problem(file, mark.line + 1, mark.column + 1,
+                                            f"{_q(node.value)} is not a valid {kind} ({_scrub(e, node.value)})"))
         if isinstance(node, yaml.SequenceNode):
             stack.extend(node.value)
         elif isinstance(node, yaml.MappingNode):
@@ -1134,12 +1173,15 @@ def compose_checked(text: str, file: str, what: str = "policy", *, null_is_empty
     except yaml.MarkedYAMLError as e:
         mark = e.problem_mark or e.context_mark
         line, col = (mark.line + 1, mark.column + 1) if mark else (1, 1)
-        raise PolicyInvalid([Problem(file, line, col, f"YAML syntax: {_yaml_message(e.problem or e.context)}")]) from None
+        raise PolicyInvalid([Problem(file, line, col,
+                                     f"YAML syntax: {_yaml_message(e.problem or e.context)}")]) from None
     except yaml.YAMLError as e:
         raise PolicyInvalid([Problem(file, 1, 1, f"YAML: {_yaml_message(str(e))}")]) from None
     except RecursionError:
-        raise PolicyInvalid([Problem(file, 1, 1, f"the {what} nests lists or mappings too deeply; refusing it")]) from None
-    if root is None or (null_is_empty and isinstance(root, yaml.ScalarNode) and root.tag == _YAML + "null"):  # nothing, `---` or `~`
+        raise PolicyInvalid([Problem(file, 1, 1,
+                                     f"the {what} nests lists or mappings too deeply; refusing it")]) from None
+    # nothing, `---` or `~`
+    if root is None or (null_is_empty and isinstance(root, yaml.ScalarNode) and root.tag == _YAML + "null"):
         hint = "; it needs at least `version: 1`" if what == "policy" else ""
         raise PolicyInvalid([Problem(file, 1, 1, f"the {what} is empty{hint}")])
     return root
@@ -1157,14 +1199,16 @@ def load_policy_text(text: str, file: str = "<policy>", read_secret: Callable[[s
     except PolicyInvalid:
         raise
     except Exception as e:  # a gap in validation must not crash a reload or a check
-        raise PolicyInvalid([Problem(file, 1, 1, f"the policy could not be read ({type(e).__name__}: {_clean(str(e))})")]) from None
+        raise PolicyInvalid([Problem(file, 1, 1,
+                                     f"the policy could not be read ({type(e).__name__}: {_clean(str(e))})")]) from None
 
 
 def _load_policy_text(text: str, file: str, read_secret: Callable[[str], str] | None,
                       environ: Mapping[str, str] | None = None) -> Policy:
     reader = _Reader(file, read_secret, environ)
     if len(text.encode("utf-8", "surrogatepass")) > MAX_POLICY_BYTES:
-        raise PolicyInvalid([Problem(file, 1, 1, f"the policy is larger than {MAX_POLICY_BYTES // 2**20} MiB; refusing to parse it")])
+        raise PolicyInvalid([Problem(file, 1, 1, f"the policy is larger than {MAX_POLICY_BYTES // 2**20} MiB; refusing "
+                                                 "to parse it")])
     root = compose_checked(text, file)
     problems = _scan(root, file)
     if problems:
@@ -1191,7 +1235,8 @@ def _load_policy_text(text: str, file: str, read_secret: Callable[[str], str] | 
         else:
             require_client = value
             if value and not clients:
-                reader.problem(keys["require_client"][0], "require_client is true but no `clients` are defined: every client would be refused")
+                reader.problem(keys["require_client"][0],
+                               "require_client is true but no `clients` are defined: every client would be refused")
     reader.credentials_intercepted(top, clients, require_client)
     reader.rules_intercepted(top, clients, require_client)
     proxy_addresses = reader.proxy_addresses(keys["proxy_addresses"][1]) if "proxy_addresses" in keys else frozenset()
@@ -1270,7 +1315,8 @@ def read_policy_file(path: str | Path) -> tuple[Policy, bytes]:
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise PolicyInvalid([Problem(name, 1, 1, f"the policy is not UTF-8 text ({e.reason} at byte {e.start})")]) from None
+        raise PolicyInvalid([Problem(name, 1, 1,
+                                     f"the policy is not UTF-8 text ({e.reason} at byte {e.start})")]) from None
 
     def read_secret(secret_path: str) -> str:
         p = Path(secret_path)

@@ -60,47 +60,94 @@ class ReasonInfo:
 
 
 REASONS: dict[Reason, ReasonInfo] = {
-    Reason.ADDRESS_NOT_PUBLIC: ReasonInfo(403, "the destination is an IP address outside the public internet (loopback, private, link-local, metadata, reserved, ...)"),
-    Reason.INTERNAL_HOSTNAME: ReasonInfo(403, "the host name is an internal name (localhost, *.internal, *.local, single-label, cluster and metadata names)"),
+    Reason.ADDRESS_NOT_PUBLIC: ReasonInfo(403, "the destination is an IP address outside the public internet "
+                                               "(loopback, private, link-local, metadata, reserved, ...)"),
+    Reason.INTERNAL_HOSTNAME: ReasonInfo(403, "the host name is an internal name (localhost, *.internal, *.local, "
+                                              "single-label, cluster and metadata names)"),
     Reason.MALFORMED_HOST: ReasonInfo(403, "the host is neither a valid DNS name nor an IP address"),
-    Reason.DNS_ANSWER_NOT_PUBLIC: ReasonInfo(403, "the name resolved (directly or through a CNAME) to at least one non-public address"),
-    Reason.DNS_FAILED: ReasonInfo(502, "the name could not be resolved; Sluice fails closed. No such name (NXDOMAIN) or no address: retrying will not help. A timeout or SERVFAIL may be transient: retrying later is reasonable"),
+    Reason.DNS_ANSWER_NOT_PUBLIC: ReasonInfo(403, "the name resolved (directly or through a CNAME) to at least one "
+                                                  "non-public address"),
+    Reason.DNS_FAILED: ReasonInfo(502,
+                                  "the name could not be resolved; Sluice fails closed. No such name (NXDOMAIN) or no "
+                                  "address: retrying will not help. A timeout or SERVFAIL may be transient: retrying "
+                                  "later is reasonable"),
     Reason.PORT_NOT_ALLOWED: ReasonInfo(403, "the destination port is not in the policy's `ports`"),
-    Reason.SCHEME_NOT_ALLOWED: ReasonInfo(403, "only http and https URLs may pass (https through CONNECT); Sluice proxies no other protocol"),
+    Reason.SCHEME_NOT_ALLOWED: ReasonInfo(403, "only http and https URLs may pass (https through CONNECT); Sluice "
+                                               "proxies no other protocol"),
     Reason.URL_CREDENTIALS: ReasonInfo(403, "the URL carries user:password@ credentials"),
     Reason.HOST_DENIED: ReasonInfo(403, "the host matches a `deny` rule"),
     Reason.HOST_NOT_ALLOWED: ReasonInfo(403, "the policy has an `allow` list and the host is not on it"),
     Reason.METHOD_NOT_ALLOWED: ReasonInfo(403, "the HTTP method is not in the policy's `methods`"),
-    Reason.CLIENT_UNKNOWN: ReasonInfo(407, "`require_client` is set and the client matched no profile (or gave wrong credentials)"),
+    Reason.CLIENT_UNKNOWN: ReasonInfo(407, "`require_client` is set and the client matched no profile (or gave wrong "
+                                           "credentials)"),
     Reason.REQUEST_TOO_LARGE: ReasonInfo(413, "the request body is over `limits.max_request_bytes`"),
-    Reason.RESPONSE_TOO_LARGE: ReasonInfo(502, "the response body is over `limits.max_response_bytes`, or an HTTP/2 client "
-                                                 "left a stream unread past twice `limits.h2_stream_buffer_bytes` (the stream is reset)"),
+    Reason.RESPONSE_TOO_LARGE: ReasonInfo(502,
+                                          "the response body is over `limits.max_response_bytes`, or an HTTP/2 client "
+                                                 "left a stream unread past twice `limits.h2_stream_buffer_bytes` (the "
+                                                 "stream is reset)"),
     Reason.CONNECT_TIMEOUT: ReasonInfo(504, "the origin did not accept the connection within `limits.connect_timeout`"),
     Reason.REQUEST_TIMEOUT: ReasonInfo(504, "the whole exchange took longer than `limits.request_timeout`"),
     Reason.TUNNEL_TOO_LARGE: ReasonInfo(502, "a tunnel carried more than `limits.tunnel_max_bytes` in one direction"),
     Reason.TUNNEL_TIMEOUT: ReasonInfo(504, "a tunnel stayed open longer than `limits.tunnel_max_seconds`"),
     Reason.REDIRECT_REFUSED: ReasonInfo(403, "the response redirects to a destination the policy refuses"),
-    Reason.HOST_MISMATCH: ReasonInfo(403, "inside an intercepted tunnel, the Host header or SNI names another host than the CONNECT target"),
-    Reason.INTERNAL_ERROR: ReasonInfo(500, "Sluice failed while deciding (a bug; the proxy log has the details); it refuses rather than guess"),
-    Reason.PIN_MISMATCH: ReasonInfo(502, "an upstream dial or connection was not to the address the gate validated for this client connection; it is closed before any byte passes"),
-    Reason.CLIENT_PROTOCOL_REFUSED: ReasonInfo(400, "the client spoke something the proxy port does not accept: TLS or HTTP/2 to the proxy itself, SOCKS4, SOCKS5 BIND or UDP ASSOCIATE"),
-    Reason.UPGRADE_REFUSED: ReasonInfo(403, "a protocol upgrade other than WebSocket (`Upgrade:` / `101 Switching Protocols`)"),
-    Reason.NOT_HTTP: ReasonInfo(400, "inside an intercepted tunnel the client sent bytes that are not an HTTP request; intercepted tunnels carry only HTTP"),
-    Reason.BAD_REQUEST: ReasonInfo(400, "the request is malformed HTTP (an unparseable request line or header, both Content-Length and Transfer-Encoding, no Host, ...)"),
-    Reason.HEADERS_TOO_LARGE: ReasonInfo(431, "the request head is over `limits.max_header_bytes` or has more than `limits.max_header_count` fields"),
+    Reason.HOST_MISMATCH: ReasonInfo(403, "inside an intercepted tunnel, the Host header or SNI names another host "
+                                          "than the CONNECT target"),
+    Reason.INTERNAL_ERROR: ReasonInfo(500, "Sluice failed while deciding (a bug; the proxy log has the details); it "
+                                           "refuses rather than guess"),
+    Reason.PIN_MISMATCH: ReasonInfo(502, "an upstream dial or connection was not to the address the gate validated for "
+                                         "this client connection; it is closed before any byte passes"),
+    Reason.CLIENT_PROTOCOL_REFUSED: ReasonInfo(400, "the client spoke something the proxy port does not accept: TLS or "
+                                                    "HTTP/2 to the proxy itself, SOCKS4, SOCKS5 BIND or UDP ASSOCIATE"),
+    Reason.UPGRADE_REFUSED: ReasonInfo(403, "a protocol upgrade other than WebSocket (`Upgrade:` / `101 Switching "
+                                            "Protocols`)"),
+    Reason.NOT_HTTP: ReasonInfo(400, "inside an intercepted tunnel the client sent bytes that are not an HTTP request; "
+                                     "intercepted tunnels carry only HTTP"),
+    Reason.BAD_REQUEST: ReasonInfo(400, "the request is malformed HTTP (an unparseable request line or header, both "
+                                        "Content-Length and Transfer-Encoding, no Host, ...)"),
+    Reason.HEADERS_TOO_LARGE: ReasonInfo(431, "the request head is over `limits.max_header_bytes` or has more than "
+                                              "`limits.max_header_count` fields"),
     Reason.HEADER_TIMEOUT: ReasonInfo(408, "the request head did not arrive whole within `limits.header_timeout`"),
-    Reason.AUTH_THROTTLED: ReasonInfo(407, "too many wrong proxy passwords from this address or for this user, or too many password checks waiting; retry after the `Retry-After` seconds"),
-    Reason.TUNNEL_REVOKED: ReasonInfo(403, "an open tunnel or WebSocket pipe was closed because a reloaded policy refuses it: its destination, or its client, which a reload matches again (user, source) and which now belongs to a profile that refuses it, or to none"),
-    Reason.PROXY_LOOP: ReasonInfo(403, "the destination is an address of the proxy's own host, on any port: a listener's address, every interface address when the proxy listens on a wildcard, or one of `proxy_addresses`"),
-    Reason.RATE_LIMITED: ReasonInfo(429, "the client is over its `limits.requests_per_second` (and `burst`); retry after the `Retry-After` seconds"),
-    Reason.HOST_RATE_LIMITED: ReasonInfo(429, "the client is over its `limits.max_requests_per_host_per_minute` for this host; retry after the `Retry-After` seconds (other hosts are not affected)"),
-    Reason.QUOTA_EXCEEDED: ReasonInfo(429, "the client has used its `limits.bytes_per_hour`; new requests are refused until the hour's window resets (`Retry-After`), and whatever is in flight (exchanges, HTTP/2 streams, tunnels, WebSocket pipes) is cut when the quota runs out"),
-    Reason.TOO_MANY_CONNECTIONS: ReasonInfo(429, "the source address has `limits.max_connections` connections open (the extra connection is refused and closed), the proxy has `limits.max_total_connections` or the source its share of them (closed at accept), a client connection's upstreams are all busy at `limits.max_upstreams_per_connection`, or the proxy is out of file descriptors"),
-    Reason.TOO_MANY_TUNNELS: ReasonInfo(429, "the client has `limits.max_tunnels` tunnels (CONNECT, SOCKS5, transparent, WebSocket pipes) open"),
-    Reason.SHUTDOWN: ReasonInfo(503, "the proxy was shutting down and the exchange or tunnel was still open when `--drain-timeout` ran out; retrying (through another replica) is reasonable"),
-    Reason.CREDENTIAL_PLAIN_HTTP: ReasonInfo(403, "the proxy holds a credential for this host and sends it over HTTPS only (no `allow_plain_http`), and the request is plain http"),
-    Reason.RULE_DENIED: ReasonInfo(403, "a request rule (`rules:`) denies this method, path or query on this host (the refusal names the rule's `file:line`), or the path is spelled in a way origins disagree about (`%2F`, `%5C`, `%2E%2E`, a backslash, `;`) on a host the rules name"),
-    Reason.ORIGIN_PROXY_AUTH: ReasonInfo(502, "the origin answered 407 Proxy Authentication Required, which only the proxy may send (an origin could pose as Sluice asking for a password); Sluice answers 502 instead"),
+    Reason.AUTH_THROTTLED: ReasonInfo(407, "too many wrong proxy passwords from this address or for this user, or too "
+                                           "many password checks waiting; retry after the `Retry-After` seconds"),
+    Reason.TUNNEL_REVOKED: ReasonInfo(403,
+                                      "an open tunnel or WebSocket pipe was closed because a reloaded policy refuses "
+                                      "it: its destination, or its client, which a reload matches again (user, source) "
+                                      "and which now belongs to a profile that refuses it, or to none"),
+    Reason.PROXY_LOOP: ReasonInfo(403,
+                                  "the destination is an address of the proxy's own host, on any port: a listener's "
+                                  "address, every interface address when the proxy listens on a wildcard, or one of "
+                                  "`proxy_addresses`"),
+    Reason.RATE_LIMITED: ReasonInfo(429, "the client is over its `limits.requests_per_second` (and `burst`); retry "
+                                         "after the `Retry-After` seconds"),
+    Reason.HOST_RATE_LIMITED: ReasonInfo(429,
+                                         "the client is over its `limits.max_requests_per_host_per_minute` for this "
+                                         "host; retry after the `Retry-After` seconds (other hosts are not affected)"),
+    Reason.QUOTA_EXCEEDED: ReasonInfo(429,
+                                      "the client has used its `limits.bytes_per_hour`; new requests are refused until "
+                                      "the hour's window resets (`Retry-After`), and whatever is in flight (exchanges, "
+                                      "HTTP/2 streams, tunnels, WebSocket pipes) is cut when the quota runs out"),
+    Reason.TOO_MANY_CONNECTIONS: ReasonInfo(429,
+                                            "the source address has `limits.max_connections` connections open (the "
+                                            "extra connection is refused and closed), the proxy has "
+                                            "`limits.max_total_connections` or the source its share of them (closed at "
+                                            "accept), a client connection's upstreams are all busy at "
+                                            "`limits.max_upstreams_per_connection`, or the proxy is out of file "
+                                            "descriptors"),
+    Reason.TOO_MANY_TUNNELS: ReasonInfo(429, "the client has `limits.max_tunnels` tunnels (CONNECT, SOCKS5, "
+                                             "transparent, WebSocket pipes) open"),
+    Reason.SHUTDOWN: ReasonInfo(503, "the proxy was shutting down and the exchange or tunnel was still open when "
+                                     "`--drain-timeout` ran out; retrying (through another replica) is reasonable"),
+    Reason.CREDENTIAL_PLAIN_HTTP: ReasonInfo(403, "the proxy holds a credential for this host and sends it over HTTPS "
+                                                  "only (no `allow_plain_http`), and the request is plain http"),
+    Reason.RULE_DENIED: ReasonInfo(403,
+                                   "a request rule (`rules:`) denies this method, path or query on this host (the "
+                                   "refusal names the rule's `file:line`), or the path is spelled in a way origins "
+                                   "disagree about (`%2F`, `%5C`, `%2E%2E`, a backslash, `;`) on a host the rules "
+                                   "name"),
+    Reason.ORIGIN_PROXY_AUTH: ReasonInfo(502,
+                                         "the origin answered 407 Proxy Authentication Required, which only the proxy "
+                                         "may send (an origin could pose as Sluice asking for a password); Sluice "
+                                         "answers 502 instead"),
 }
 
 # Sent with every refusal so an agent knows this is deliberate and final

@@ -14,11 +14,15 @@ rules that can name the request's host, in policy order.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from urllib.parse import parse_qsl
 
 from sluice.policy.hosts import IPHost, NameHost
 from sluice.policy.matchers import HostMatcher
+
+# (a rule's host matcher, another rule's host pattern text) -> does it cover every host the pattern names
+HostCovers = Callable[[HostMatcher, str], bool]
 
 # RFC 3986 2.3: percent-encodings of these are equivalent to the characters.
 _UNRESERVED = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-._~")
@@ -49,7 +53,7 @@ def split_target(target: str) -> tuple[str, str | None]:
 
 
 def _decode_unreserved(path: str) -> str:
-    def one(m: re.Match) -> str:
+    def one(m: re.Match[str]) -> str:
         char = chr(int(m.group(1), 16))
         return char if char in _UNRESERVED else "%" + m.group(1).upper()
     return _PERCENT.sub(one, path)
@@ -98,7 +102,7 @@ class PathPattern:
     literal and case-sensitive."""
 
     text: str
-    regex: re.Pattern = field(compare=False)
+    regex: re.Pattern[str] = field(compare=False)
 
     @classmethod
     def compile(cls, text: object) -> PathPattern:
@@ -149,7 +153,7 @@ class QueryGlob:
 
     name: str
     glob: str
-    regex: re.Pattern = field(compare=False)
+    regex: re.Pattern[str] = field(compare=False)
 
     @classmethod
     def compile(cls, name: str, glob: str) -> QueryGlob:
@@ -231,6 +235,7 @@ class _Scan:
         m = self.regex.fullmatch(path)
         if m is None:
             return None
+        assert m.lastindex is not None  # each alternative is a group, so a match has one
         k = self.group_rule[m.lastindex]
         rule = self.rules[k]
         if rule.query_matches(query):
@@ -361,7 +366,7 @@ def _path_covers(wide: PathPattern, narrow: PathPattern) -> bool:
     return False
 
 
-def shadows(earlier: RequestRule, later: RequestRule, host_covers) -> bool:
+def shadows(earlier: RequestRule, later: RequestRule, host_covers: HostCovers) -> bool:
     """Whether `earlier` matches every request `later` matches, so `later`
     never decides. `host_covers(matcher, pattern_text)`: does the matcher
     cover every host the pattern can name."""
@@ -373,12 +378,13 @@ def shadows(earlier: RequestRule, later: RequestRule, host_covers) -> bool:
         if later.paths is None or not all(any(_path_covers(w, n) for w in earlier.paths) for n in later.paths):
             return False
     if earlier.query is not None:
-        if later.query is None or not {(q.name, q.glob) for q in earlier.query} <= {(q.name, q.glob) for q in later.query}:
+        if later.query is None or \
+                not {(q.name, q.glob) for q in earlier.query} <= {(q.name, q.glob) for q in later.query}:
             return False
     return True
 
 
-def rule_warnings(rules: RuleSet, host_covers) -> list[tuple[RequestRule, str]]:
+def rule_warnings(rules: RuleSet, host_covers: HostCovers) -> list[tuple[RequestRule, str]]:
     """(rule, message) for rules an earlier one shadows, and for path
     patterns that differ from an earlier one only by case."""
     out: list[tuple[RequestRule, str]] = []

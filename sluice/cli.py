@@ -98,7 +98,8 @@ def _parser() -> argparse.ArgumentParser:
     proxy.add_argument("--listen", default="127.0.0.1:8080", help="HOST:PORT for the listeners (default: %(default)s)")
     proxy.add_argument("--mode", action="append", default=[], metavar="SPEC",
                        help="mitmproxy mode spec, repeatable: regular (default), socks5@1080, transparent, ...")
-    proxy.add_argument("--audit-log", default="-", metavar="FILE", help="JSON audit lines: '-' for stdout (default) or a file")
+    proxy.add_argument("--audit-log", default="-", metavar="FILE",
+                       help="JSON audit lines: '-' for stdout (default) or a file")
     proxy.add_argument("--set", action="append", default=[], metavar="NAME=VALUE", dest="sets",
                        help="set any mitmproxy option, repeatable")
     proxy.add_argument("--workers", type=int, default=1, metavar="N",
@@ -117,7 +118,8 @@ def _parser() -> argparse.ArgumentParser:
                             "$OTEL_EXPORTER_OTLP_ENDPOINT if set; 'off': never)")
 
     ca = sub.add_parser("ca", help="print the interception CA certificate's path and PEM (creating it if missing)")
-    ca.add_argument("--ca-dir", default=None, metavar="DIR", help="CA directory (default: $SLUICE_CA_DIR or ~/.sluice/ca)")
+    ca.add_argument("--ca-dir", default=None, metavar="DIR",
+                    help="CA directory (default: $SLUICE_CA_DIR or ~/.sluice/ca)")
 
     policy = sub.add_parser(
         "policy", help="check, explain and test policies",
@@ -126,8 +128,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     psub = policy.add_subparsers(dest="policy_command", required=True, metavar="SUBCOMMAND")
     check = psub.add_parser("check", help="validate a policy and summarise what it allows",
-                            description="Print every problem as FILE:LINE:COL: message (exit 1), or a summary (exit 0). "
-                                        "Warnings (FILE:LINE:COL: warning: ...) name rules the proxy cannot enforce "
+                            description="Print every problem as FILE:LINE:COL: message (exit 1), or a summary (exit "
+                                        "0). Warnings (FILE:LINE:COL: warning: ...) name rules the proxy cannot "
+                                        "enforce "
                                         "as written, e.g. methods for HTTPS hosts that are not intercepted.")
     check.add_argument("--strict", action="store_true", help="fail (exit 1) on warnings too")
     check.add_argument("--policy", metavar="FILE", help="policy YAML (or give it as FILE); " + POLICY_DEFAULT)
@@ -143,10 +146,12 @@ def _parser() -> argparse.ArgumentParser:
                     "--resolve table is used and any other name is unresolvable.",
     )
     explain.add_argument("--policy", metavar="FILE", help=POLICY_HELP)
-    explain.add_argument("--client", metavar="NAME", help="decide as the client profile NAME (default: a client matching no profile)")
+    explain.add_argument("--client", metavar="NAME",
+                         help="decide as the client profile NAME (default: a client matching no profile)")
     explain.add_argument("--method", metavar="M", help="HTTP method (default: GET)")
     explain.add_argument("--resolve", action="append", default=[], metavar="HOST=IP",
-                         help="answer DNS for HOST with IP instead of querying; repeat (or HOST=IP1,IP2) for several answers")
+                         help="answer DNS for HOST with IP instead of querying; repeat (or HOST=IP1,IP2) for several "
+                              "answers")
     explain.add_argument("url", metavar="URL")
 
     test = psub.add_parser(
@@ -210,7 +215,8 @@ def _policy_paths(args) -> None:
     elif command == "test":
         if args.policy is not None:
             if len(args.paths) != 1:
-                args.subparser.error("with --policy FILE give only the cases file: sluice policy test --policy FILE CASES")
+                args.subparser.error("with --policy FILE give only the cases file: sluice policy test --policy FILE "
+                                     "CASES")
             args.file, args.cases = args.policy, args.paths[0]
         else:
             if len(args.paths) != 2:

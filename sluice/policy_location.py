@@ -14,7 +14,7 @@ import os
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
-from typing import Mapping
+from collections.abc import Mapping
 
 ENV = "SLUICE_POLICY"
 SYSTEM_POLICY = "/etc/sluice/policy.yaml"

@@ -29,7 +29,7 @@ import contextlib
 import hashlib
 import os
 import time
-from datetime import datetime, timezone
+from datetime import datetime, UTC
 
 from sluice.webtools import charsets
 from sluice.policy.loader import parse_duration
@@ -66,7 +66,7 @@ def decode_text(body: bytes, charset: str | None) -> str:
 
 
 def now_rfc3339() -> str:
-    return datetime.now(timezone.utc).isoformat(timespec="seconds").replace("+00:00", "Z")
+    return datetime.now(UTC).isoformat(timespec="seconds").replace("+00:00", "Z")
 
 
 def status_not_ok(fetched: Fetched) -> WebError:
@@ -105,7 +105,8 @@ def _fetch_plan(limits: Limits):
         hint = ("only JPEG, PNG, GIF and WebP images are passed to a model" if f.mime.startswith("image/")
                 else "fetch reads HTML, text, markdown, JSON, XML, images (JPEG, PNG, GIF, WebP) and PDF")
         raise WebError("web_unsupported_type", f"{f.final_url} is of type {shown}, which fetch does not read: {hint}; "
-                       "the body was not downloaded", content_type=media_type(f.content_type), url=f.url, final_url=f.final_url)
+                       "the body was not downloaded", content_type=media_type(f.content_type), url=f.url,
+                       final_url=f.final_url)
     return classify
 
 

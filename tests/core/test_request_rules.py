@@ -283,7 +283,8 @@ rules:
   - allow: {hosts: ['*'], paths: ["/**"]}
 """
     assert decide(text, "GET", "10.0.0.1", "/x", scheme="http", port=80).refusal.reason is Reason.ADDRESS_NOT_PUBLIC
-    assert decide(text, "GET", "evil.example", "/x", answers=("127.0.0.1",)).refusal.reason is Reason.DNS_ANSWER_NOT_PUBLIC
+    assert decide(text, "GET", "evil.example", "/x",
+                  answers=("127.0.0.1",)).refusal.reason is Reason.DNS_ANSWER_NOT_PUBLIC
     assert decide(text, "GET", "db.internal", "/x").refusal.reason is Reason.INTERNAL_HOSTNAME
     assert decide(text, "GET", "example.com", "/x", port=8080).refusal.reason is Reason.PORT_NOT_ALLOWED
 
@@ -421,7 +422,8 @@ def test_policy_check_prints_rule_warnings_at_their_lines(tmp_path, capsys):
 _VALUES = st.recursive(st.one_of(st.none(), st.booleans(), st.integers(-3, 3), st.sampled_from(
     ["GET", "/a/**", "api.example", "*", "", "/a%2F", "CONNECT", "x"])),
     lambda inner: st.one_of(st.lists(inner, max_size=3),
-                            st.dictionaries(st.sampled_from(["hosts", "methods", "paths", "query", "allow", "deny", "q"]),
+                            st.dictionaries(st.sampled_from(["hosts", "methods", "paths", "query", "allow",
+                                                             "deny", "q"]),
                                             inner, max_size=4)), max_leaves=12)
 
 

@@ -20,7 +20,8 @@ import pytest
 
 SLUICE = str(Path(sys.executable).parent / "sluice")
 ROOT = Path(__file__).resolve().parents[2]
-POLICY = str(ROOT / "sluice" / "starter_policy.yaml")  # the packaged starter: tests never read config/policy.yaml, the user's copy
+# the packaged starter: tests never read config/policy.yaml, the user's copy
+POLICY = str(ROOT / "sluice" / "starter_policy.yaml")
 
 CASES = """\
 - url: http://public.example/
@@ -222,7 +223,8 @@ clients:
             "1GiB per hour per client; 60 requests per host per minute per client; "
             "4 upstream sockets per client connection\n") in top
     assert "  refusals end with the note: 'ask #platform for access'\n" in top
-    assert "    quotas: 20 connections per source address; 8 tunnels per client; 1 requests/s per client (burst 10);" in ci
+    assert ("    quotas: 20 connections per source address; 8 tunnels per client; 1 requests/s per client "
+            "(burst 10);") in ci
     assert "    refusals end with the note: 'ask #platform for access'\n" in ci  # profiles inherit limits and note
     assert "; at most 500 connections in all\n" in result.stdout
 

@@ -40,16 +40,19 @@ clients:
         "  reaches 2 allowed host pattern(s) on ports 80, 443, except 1 denied pattern(s)",
         "  methods: GET, HEAD",
         "  private networks opened: 10.0.0.5/32:8080",
-        "  limits: connect 10s, request 30s, idle 1m; bodies: request 1MiB, response 10MiB; tunnels: no byte cap, no time cap",
+        "  limits: connect 10s, request 30s, idle 1m; bodies: request 1MiB, response 10MiB; tunnels: no byte cap, no "
+        "time cap",
         "  quotas: 16 upstream sockets per client connection",
-        "  unreachable: https:// (clients reach HTTPS through CONNECT tunnels; CONNECT is not in methods and no host is intercepted)",
+        "  unreachable: https:// (clients reach HTTPS through CONNECT tunnels; CONNECT is not in methods and no host "
+        "is intercepted)",
         "  DNS: 127.0.0.53:53, timeout 2s",
         "  client 'ci' (sources 10.20.0.0/16):",
         "    reaches 2 allowed host pattern(s) on ports 80, 443, except 1 denied pattern(s)",
         "    report mode: host and method refusals are logged, not enforced",
         "    methods: GET, HEAD",
         "    private networks opened: 10.0.0.5/32:8080",
-        "    limits: connect 10s, request 30s, idle 1m; bodies: request 1MiB, response 10MiB; tunnels: no byte cap, no time cap",
+        "    limits: connect 10s, request 30s, idle 1m; bodies: request 1MiB, response 10MiB; tunnels: no byte cap, no "
+        "time cap",
         "    quotas: 16 upstream sockets per client connection",
         "  clients matching no profile are refused (407)",
         "  request heads (every client): at most 64KiB and 100 fields, whole within 10s",
@@ -66,7 +69,8 @@ def test_check_the_default_policy(cli):
 
 def test_check_names_internal_hosts_opened_next_to_star(cli, write):
     path = write("p.yaml", 'version: 1\nallow: ["*", searxng]\n')
-    assert "reaches any public host and the internal name(s) searxng on ports 80, 443" in cli(["policy", "check", path]).out
+    out = cli(["policy", "check", path]).out
+    assert "reaches any public host and the internal name(s) searxng on ports 80, 443" in out
 
 
 def test_check_invalid_prints_file_line_col_and_exits_1(cli, write):
@@ -134,7 +138,8 @@ def test_hash_password_from_stdin(cli, monkeypatch, stdin, password):
     assert result.out.count("\n") == 1 and verifier.startswith("pbkdf2_sha256$200000$")
     assert verify_password(verifier, password) and not verify_password(verifier, password + "x")
     # and the policy takes it
-    policy = load_policy_text(f'version: 1\nclients:\n  - name: a\n    users: {{bot: {{password_hash: "{verifier}"}}}}\n')
+    policy = load_policy_text(f'version: 1\nclients:\n  - name: a\n    users: {{bot: {{password_hash: '
+                              f'"{verifier}"}}}}\n')
     assert policy.clients[0].credentials == (("bot", verifier),)
 
 
@@ -273,7 +278,8 @@ def test_check_strict_fails_a_policy_that_reaches_no_https(write, text, who):
     result = real_sluice("policy", "check", "--strict", path)
     assert result.returncode == 1 and result.stdout == ""
     assert f"{path}: {who} can reach no https:// host: " in result.stderr
-    assert result.stderr.splitlines()[-1] == f"{path}: --strict fails a policy under which a client can reach no https:// at all"
+    assert result.stderr.splitlines()[-1] == (f"{path}: --strict fails a policy under which a client can reach no "
+                                              "https:// at all")
 
 
 @pytest.mark.parametrize(

@@ -161,7 +161,8 @@ def test_an_older_store_gains_the_new_columns(tmp_path):
         captured_at TEXT NOT NULL, url TEXT NOT NULL, final_url TEXT NOT NULL, status INTEGER NOT NULL,
         content_type TEXT NOT NULL, title TEXT, needs_javascript INTEGER NOT NULL, truncated INTEGER NOT NULL,
         size INTEGER NOT NULL, content TEXT NOT NULL);""")
-    db.execute("INSERT INTO sources VALUES ('src_old', 'o', ?, 'then', 'u', 'u', 200, 'text/plain', NULL, 0, 0, 9, 'old')",
+    db.execute("INSERT INTO sources VALUES ('src_old', 'o', ?, 'then', 'u', 'u', 200, 'text/plain', NULL, 0, 0, 9, "
+               "'old')",
                (time.time(),))
     db.commit()
     db.close()
