@@ -27,6 +27,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from harness import absolute_form, connect, default_policy
 from harness.sluice import free_port, sluice_executable
+from harness.wait import wait_until
 
 pytestmark = pytest.mark.netns
 
@@ -56,16 +57,6 @@ def value(samples, name: str, **labels) -> float:
     return sum(s.value for s in samples if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
 
 
-def wait_for(predicate, what: str, timeout: float = 10):
-    deadline = time.monotonic() + timeout
-    while True:
-        result = predicate()
-        if result:
-            return result
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout}s: {what}")
-        time.sleep(0.1)
-
 
 def wait_metric(proxy, name: str, at_least: float, **labels) -> list:
     holder = {}
@@ -74,7 +65,7 @@ def wait_metric(proxy, name: str, at_least: float, **labels) -> list:
         holder["samples"] = scrape(proxy)
         return value(holder["samples"], name, **labels) >= at_least
 
-    wait_for(check, f"{name}{labels} >= {at_least}")
+    wait_until(check, 10, what=f"{name}{labels} >= {at_least}")
     return holder["samples"]
 
 
@@ -245,7 +236,7 @@ def test_tunnels_and_open_connections_move(proxy):
     closed = dict(decision="allow", reason="", profile="agents")
     after = wait_metric(proxy, "sluice_tunnels_total", value(before, "sluice_tunnels_total", **closed) + 1, **closed)
     assert value(after, "sluice_received_bytes_total") > value(before, "sluice_received_bytes_total")
-    wait_for(lambda: value(scrape(proxy), "sluice_open_tunnels") == 0, "the open tunnel gauge back to 0")
+    wait_until(lambda: value(scrape(proxy), "sluice_open_tunnels") == 0, 10, what="the open tunnel gauge back to 0")
 
 
 def test_reloads_move_and_policy_says_so(proxy):
@@ -286,8 +277,8 @@ def test_drain_lets_a_slow_transfer_finish(sluice_factory, origin):
     assert get(f"{proxy.admin_url}/readyz") == (200, "ready\n")
     transfer = HeldTransfer(proxy, origin)
     proxy.proc.send_signal(signal.SIGTERM)
-    wait_for(lambda: get(f"{proxy.admin_url}/readyz") == (503, "draining\n"), "/readyz saying draining")
-    wait_for(lambda: refused(proxy.address), "the proxy port refusing new connections")
+    wait_until(lambda: get(f"{proxy.admin_url}/readyz") == (503, "draining\n"), 10, what="/readyz saying draining")
+    wait_until(lambda: refused(proxy.address), 10, what="the proxy port refusing new connections")
     assert proxy.alive()  # still draining: the transfer is in flight
     origin.release.set()
     assert transfer.done.wait(15)
@@ -326,7 +317,7 @@ def test_a_second_sigterm_stops_at_once(sluice_factory, origin):
     proxy = sluice_factory(drain_policy(origin), name="twice", extra_args=("--drain-timeout", "300"))
     transfer = HeldTransfer(proxy, origin)
     proxy.proc.send_signal(signal.SIGTERM)
-    wait_for(lambda: get(f"{proxy.admin_url}/readyz")[0] == 503, "the drain to begin")
+    wait_until(lambda: get(f"{proxy.admin_url}/readyz")[0] == 503, 10, what="the drain to begin")
     proxy.proc.send_signal(signal.SIGTERM)
     assert proxy.proc.wait(30) == 0  # far less than the 300 s drain
     assert transfer.done.wait(10)
@@ -471,7 +462,8 @@ def test_workers_serve_one_aggregated_endpoint(sluice_factory, origin):
     try:
         samples = wait_metric(proxy, "sluice_requests_total", len(held), decision="allow", event="request")
         assert value(samples, "sluice_requests_total", decision="allow", event="request") == len(held)
-        wait_for(lambda: value(scrape(proxy), "sluice_open_client_connections") == len(held), "open connections summed")
+        wait_until(lambda: value(scrape(proxy), "sluice_open_client_connections") == len(held), 10,
+                   what="open connections summed")
         assert value(samples, "process_resident_memory_bytes") > 0
         assert value(samples, "sluice_policy_info", sha256=info["sha256"]) == 1
     finally:
@@ -481,7 +473,7 @@ def test_workers_serve_one_aggregated_endpoint(sluice_factory, origin):
     # The drain reaches every worker; one stopping line, one stopped line, exit 0.
     transfer = HeldTransfer(proxy, origin)
     proxy.proc.send_signal(signal.SIGTERM)
-    wait_for(lambda: get(f"{proxy.admin_url}/readyz") == (503, "draining\n"), "/readyz draining")
+    wait_until(lambda: get(f"{proxy.admin_url}/readyz") == (503, "draining\n"), 10, what="/readyz draining")
     origin.release.set()
     assert transfer.done.wait(15) and transfer.body == b"a" * BODY_HALF + b"b" * BODY_HALF
     assert proxy.proc.wait(30) == 0

@@ -8,23 +8,15 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 
 import httpx
 import pytest
 
 from harness import default_policy
+from harness.wait import wait_until
 
 pytestmark = pytest.mark.netns
 
-
-def wait_until(predicate, timeout: float = 8.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return predicate()
 
 
 @pytest.fixture

@@ -22,7 +22,6 @@ import os
 import ssl
 import subprocess
 import threading
-import time
 from pathlib import Path
 
 import httpx
@@ -31,6 +30,7 @@ import pytest
 from harness import default_policy
 from harness.clients import clean_env, connect, read_response, open_socket, _Reader
 from harness.sluice import sluice_executable
+from harness.wait import wait_until
 
 pytestmark = pytest.mark.netns
 
@@ -370,14 +370,6 @@ def write_atomically(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def wait_for(predicate, timeout: float = 8.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.1)
-    return False
-
 
 @pytest.fixture
 def reloading(sluice_factory, origin, tls_ca, env_secret, tmp_path):
@@ -402,12 +394,12 @@ def test_a_changed_secret_file_is_used_without_a_restart(reloading, origin, slui
     assert sent_key(proxy, ca, origin) == [SECRET]
     mark = proxy.audit_mark()
     write_atomically(secret, NEW_SECRET + "\n")
-    assert wait_for(lambda: sent_key(proxy, ca, origin) == [NEW_SECRET])
+    assert wait_until(lambda: sent_key(proxy, ca, origin) == [NEW_SECRET])
     proxy.wait_audit(lambda e: e["event"] == "reload" and e["decision"] == "ok" and str(secret) in e["detail"],
                      since=mark)
     # In place, not by rename (an editor that truncates and writes).
     secret.write_text(SECRET + "\n")
-    assert wait_for(lambda: sent_key(proxy, ca, origin) == [SECRET])
+    assert wait_until(lambda: sent_key(proxy, ca, origin) == [SECRET])
 
 
 def test_a_missing_secret_file_is_a_reload_failure_keeping_the_last_good_policy(reloading, origin, sluice_home):
@@ -425,7 +417,7 @@ def test_a_missing_secret_file_is_a_reload_failure_keeping_the_last_good_policy(
     failed = proxy.wait_audit(lambda e: e["event"] == "reload" and e["decision"] == "failed"
                               and "cannot read" in (e["detail"] or ""), since=mark)
     assert "'X-Api-Key': cannot read" in failed["detail"] and "No such file" in failed["detail"], failed
-    assert wait_for(lambda: "reload refused" in proxy.stderr_since(err_mark))
+    assert wait_until(lambda: "reload refused" in proxy.stderr_since(err_mark))
     with client(proxy, ca) as c:  # other.example.com is still allowed: the last good policy holds
         assert c.get(f"https://{OTHER}:{TLS_PORT}/still").status_code == 200
     assert sent_key(proxy, ca, origin) == [SECRET]
@@ -433,7 +425,7 @@ def test_a_missing_secret_file_is_a_reload_failure_keeping_the_last_good_policy(
     mark = proxy.audit_mark()
     write_atomically(secret, NEW_SECRET + "\n")
     proxy.wait_audit(lambda e: e["event"] == "reload" and e["decision"] == "ok", since=mark)
-    assert wait_for(lambda: sent_key(proxy, ca, origin) == [NEW_SECRET])
+    assert wait_until(lambda: sent_key(proxy, ca, origin) == [NEW_SECRET])
 
     def other_refused() -> bool:
         try:
@@ -442,7 +434,7 @@ def test_a_missing_secret_file_is_a_reload_failure_keeping_the_last_good_policy(
         except httpx.ProxyError as e:  # the CONNECT is refused
             return "host_not_allowed" in str(e)
         return False
-    assert wait_for(other_refused)  # the policy edit refused earlier loads now that its file is back
+    assert wait_until(other_refused)  # the policy edit refused earlier loads now that its file is back
     assert all(SECRET not in line and NEW_SECRET not in line for line in proxy.stderr_text().splitlines())
 
 

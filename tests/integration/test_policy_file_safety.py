@@ -9,7 +9,6 @@ import errno
 import os
 import signal
 import subprocess
-import time
 from pathlib import Path
 
 import httpx
@@ -18,6 +17,7 @@ import yaml
 
 from harness import default_policy
 from harness.sluice import sluice_executable
+from harness.wait import wait_until
 
 pytestmark = pytest.mark.netns
 
@@ -33,14 +33,6 @@ def get(proxy, url: str) -> httpx.Response:
     with httpx.Client(proxy=proxy.proxy_url, trust_env=False, timeout=10) as c:
         return c.get(url)
 
-
-def wait_until(predicate, timeout: float = 8.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.1)
-    return False
 
 
 def point_at(path: Path, target: str | Path) -> None:

@@ -16,6 +16,7 @@ import pytest
 import yaml
 
 from harness import default_policy
+from harness.wait import wait_until
 from sluice.policy.loader import hash_password
 
 pytestmark = pytest.mark.netns
@@ -35,14 +36,6 @@ def get(proxy, url: str, **kw) -> httpx.Response:
     with httpx.Client(proxy=proxy.proxy_url, trust_env=False, timeout=10) as c:
         return c.get(url, **kw)
 
-
-def wait_until(predicate, timeout: float = 6.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.1)
-    return False
 
 
 @pytest.fixture

@@ -15,7 +15,6 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import dns.flags
@@ -25,6 +24,7 @@ import dns.rdatatype
 import dns.rrset
 
 from harness.clients import Response, _Reader, read_response
+from harness.wait import wait_until  # noqa: F401 (the reliability tests take it from here)
 
 # SLUICE_LONG=1 runs the long variants (bigger counts); the default is short
 # enough for `make test` on two cores.
@@ -89,16 +89,6 @@ def cpu_seconds(pid: int) -> float:
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
-
-def wait_until(predicate: Callable[[], bool], timeout: float, interval: float = 0.1) -> bool:
-    """Poll `predicate` until true or `timeout` seconds pass (bounded)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        if predicate():
-            return True
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(interval)
 
 
 def quiet_fds(pid: int, steady: float = 1.0, timeout: float = 10.0) -> int:
