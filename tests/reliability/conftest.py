@@ -8,15 +8,28 @@ origin/canary counter before a test and fails the test if any canary
 listener (127.0.0.1, 10.0.0.1, 169.254.169.254, 100.100.100.200,
 [fd00:ec2::254], [::1] on 80/443/8080) accepted a connection.
 
-Counts are short by default; SLUICE_LONG=1 runs the long variants.
+Counts are short by default; SLUICE_LONG=1 runs the long variants. Every
+test here is marked `reliability`, so `make test PYTEST_ARGS='-m "not
+reliability"'` leaves the slow suite out while developing (CI runs it).
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 
 from harness.canaries import guard_canaries
 from relkit import FaultOrigin
+
+_HERE = Path(__file__).resolve().parent
+
+
+def pytest_collection_modifyitems(config, items):
+    # A conftest hook sees the whole session's items: mark only this folder's.
+    for item in items:
+        if _HERE in item.path.resolve().parents:
+            item.add_marker(pytest.mark.reliability)
 
 
 @pytest.fixture(autouse=True)
