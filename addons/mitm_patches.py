@@ -78,7 +78,6 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import functools
-from collections.abc import Callable
 import re
 import time
 from typing import Protocol

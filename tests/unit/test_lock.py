@@ -65,7 +65,8 @@ def test_the_agent_lock_is_the_full_locks_subset_at_the_same_versions():
     full, agent = locked(LOCK), locked(AGENT_LOCK)
     differ = {name: (entry[0], full.get(name, ("absent",))[0]) for name, entry in agent.items()
               if name not in full or full[name][0] != entry[0]}
-    assert not differ, f"requirements-agent.lock pins versions requirements.lock does not (agent, full): {differ}; {FIX}"
+    assert not differ, (f"requirements-agent.lock pins versions requirements.lock does not (agent, full): {differ}; "
+                        f"{FIX}")
     missing = [str(r) for r in agent_requirements() if canonicalize_name(r.name) not in agent]
     assert not missing, f"agent dependencies missing from requirements-agent.lock: {missing}; {FIX}"
     assert not set(agent) & PROXY_ONLY, f"requirements-agent.lock holds proxy-only packages; {FIX}"
