@@ -107,8 +107,9 @@ ACCEPT_ENCODING = ", ".join(ENCODINGS)
 
 
 @dataclass(frozen=True)
-class Limits:
-    """Transport caps (bytes, decoded). Override with SLUICE_WEB_* variables."""
+class WebToolLimits:
+    """The web tools' own transport caps (bytes, decoded), apart from the policy's `limits`.
+    Override with SLUICE_WEB_* variables."""
 
     timeout: float = 20.0
     text_bytes: int = 2 * MIB
@@ -118,7 +119,7 @@ class Limits:
     max_redirects: int = MAX_REDIRECTS
 
     @classmethod
-    def from_env(cls, env: dict | None = None) -> Limits:
+    def from_env(cls, env: dict | None = None) -> WebToolLimits:
         """Durations and sizes in the policy language's units (`2s`, `500ms`,
         `1MiB`; a bare number is seconds or bytes), read by its own parsers."""
         env = os.environ if env is None else env
@@ -487,7 +488,7 @@ class WebClient:
     """One tool call's client. `env` defaults to os.environ."""
 
     env: dict | None = None
-    limits: Limits = field(default_factory=Limits)
+    limits: WebToolLimits = field(default_factory=WebToolLimits)
     _clients: dict = field(default_factory=dict, repr=False)
 
     def close(self) -> None:
@@ -739,7 +740,7 @@ def call_client(client: WebClient | None) -> Iterator[WebClient]:
     if client is not None:
         yield client
         return
-    with WebClient(limits=Limits.from_env()) as own:
+    with WebClient(limits=WebToolLimits.from_env()) as own:
         yield own
 
 

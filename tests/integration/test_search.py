@@ -27,7 +27,7 @@ import pytest
 from harness import default_policy
 from harness.sluice import sluice_executable
 from harness.http import read_request_head
-from sluice.webtools.client import Limits, WebClient
+from sluice.webtools.client import WebToolLimits, WebClient
 from sluice.webtools.search import search
 
 pytestmark = pytest.mark.netns
@@ -285,7 +285,7 @@ def go(proxy, ca, mock):
 
     def run(extra=None, query="tide tables", *, via=None, timeout=20.0, **kw):
         env = {"SLUICE_PROXY": (via or proxy).proxy_url, "SLUICE_CA_CERT": ca[1], **(extra or {})}
-        with WebClient(env=env, limits=Limits(timeout=timeout)) as client:
+        with WebClient(env=env, limits=WebToolLimits(timeout=timeout)) as client:
             result = search(query, client=client, **kw)
         outputs.append(json.dumps(result))
         return result

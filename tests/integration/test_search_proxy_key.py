@@ -32,7 +32,7 @@ import pytest
 
 from harness import default_policy
 from harness.sluice import sluice_executable
-from sluice.webtools.client import Limits, WebClient
+from sluice.webtools.client import WebToolLimits, WebClient
 from sluice.webtools.search import search
 
 pytestmark = pytest.mark.netns
@@ -231,7 +231,7 @@ def tool_env(proxy, sluice_ca, provider: str) -> dict[str, str]:
 
 def run_function(proxy, sluice_ca, provider, query, extra=None) -> dict:
     env = {**tool_env(proxy, sluice_ca, provider), **(extra or {})}
-    with WebClient(env=env, limits=Limits(timeout=15)) as client:
+    with WebClient(env=env, limits=WebToolLimits(timeout=15)) as client:
         return search(query, client=client)
 
 

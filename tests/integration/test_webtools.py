@@ -25,7 +25,7 @@ import pytest
 from harness import default_policy, free_port, pdfs
 from harness.sluice import sluice_executable
 from harness.http import read_request_head
-from sluice.webtools.client import Limits, WebClient
+from sluice.webtools.client import WebToolLimits, WebClient
 from sluice.webtools.fetch import fetch, source_read
 from sluice.webtools.read import read
 from sluice.webtools.request import request
@@ -229,7 +229,7 @@ def web(env):
     clients = []
 
     def make(**limits):
-        c = WebClient(env=env, limits=Limits(**limits))
+        c = WebClient(env=env, limits=WebToolLimits(**limits))
         clients.append(c)
         return c
 

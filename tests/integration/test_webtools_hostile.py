@@ -28,7 +28,7 @@ from mcp.shared.exceptions import MCPError
 from harness import default_policy
 from harness.http import read_request_head
 from harness.sluice import sluice_executable
-from sluice.webtools.client import Limits, WebClient
+from sluice.webtools.client import WebToolLimits, WebClient
 from sluice.webtools.fetch import fetch
 from sluice.webtools.request import request
 from sluice.webtools.store import SourceStore
@@ -150,7 +150,7 @@ def code(result: dict) -> str | None:
 @pytest.mark.parametrize("base", [BASE, TLS_BASE], ids=["http", "https"])
 @pytest.mark.parametrize("path", ["/drip-head", "/drip-body", "/drip-chunked"])
 def test_a_dripping_origin_cannot_outlast_the_deadline(env, base, path, tmp_path, canaries):
-    with WebClient(env=env, limits=Limits(timeout=DEADLINE)) as client:
+    with WebClient(env=env, limits=WebToolLimits(timeout=DEADLINE)) as client:
         started = time.monotonic()
         result = fetch(base + path, client=client, store=SourceStore(env["SLUICE_SOURCES"]), owner="t")
         took = time.monotonic() - started
@@ -172,7 +172,7 @@ def test_the_deadline_holds_for_request_and_from_the_environment(env):
 
 
 def test_a_quick_answer_after_a_timeout_is_unaffected(env):
-    with WebClient(env=env, limits=Limits(timeout=DEADLINE)) as client:
+    with WebClient(env=env, limits=WebToolLimits(timeout=DEADLINE)) as client:
         assert code(request(f"{BASE}/drip-body", client=client)) == "web_timeout"
         # The same client: its next exchange is a new connection, answered in full.
         assert request(f"{TLS_BASE}/text.txt", client=client)["body"] == "plain text"

@@ -30,7 +30,7 @@ import pytest
 
 from harness import default_policy
 from harness.http import read_request_head
-from sluice.webtools.client import Limits, WebClient
+from sluice.webtools.client import WebToolLimits, WebClient
 from sluice.webtools.fetch import fetch
 from sluice.webtools.read import read
 from sluice.webtools.request import request
@@ -162,7 +162,7 @@ def env(proxy, tls_ca, sluice_ca):
 
 
 def tools(env):
-    client = lambda: WebClient(env=env, limits=Limits(timeout=15))  # noqa: E731
+    client = lambda: WebClient(env=env, limits=WebToolLimits(timeout=15))  # noqa: E731
     return {
         "fetch": lambda url: fetch(url, client=client(), store=SourceStore(":memory:")),
         "read": lambda url: read(url, client=client()),

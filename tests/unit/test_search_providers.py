@@ -11,7 +11,7 @@ from urllib.parse import parse_qs, urlsplit
 import httpx
 import pytest
 
-from sluice.webtools.client import Fetched, Limits
+from sluice.webtools.client import Fetched, WebToolLimits
 from sluice.webtools.errors import WebError
 from sluice.webtools.search import parse_duckduckgo, search
 
@@ -22,7 +22,7 @@ class FakeClient:
     """Answers every request with one canned response (or raises a WebError)."""
 
     def __init__(self, env, status=200, body=b"", headers=None, raises=None):
-        self.env, self.limits = env, Limits()
+        self.env, self.limits = env, WebToolLimits()
         self.status, self.body, self.headers, self.raises = status, body, headers or {}, raises
         self.calls = []
 

@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from harness.sluice import sluice_executable
-from sluice.webtools.client import MAX_URL_CHARS, Fetched, Limits, WebClient, proxy_for
+from sluice.webtools.client import MAX_URL_CHARS, Fetched, WebToolLimits, WebClient, proxy_for
 from sluice.webtools.errors import ERRORS, WebError
 from sluice.webtools.fetch import fetch
 from sluice.webtools.request import request
@@ -75,7 +75,8 @@ class OneAnswer:
     """A client that answers every request with one JSON body (no network)."""
 
     def __init__(self, body):
-        self.env, self.limits, self.body = {"SEARXNG_URL": "http://searxng:8080"}, Limits(), json.dumps(body).encode()
+        self.env, self.limits = {"SEARXNG_URL": "http://searxng:8080"}, WebToolLimits()
+        self.body = json.dumps(body).encode()
 
     def get(self, url, *, classify, **kwargs):
         f = Fetched(url, url, 200, "application/json", "application/json", None, httpx.Headers({}))

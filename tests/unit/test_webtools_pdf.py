@@ -13,7 +13,7 @@ import pytest
 
 from harness import pdfs
 from sluice.webtools import mcp_server, pdf
-from sluice.webtools.client import Fetched, Limits
+from sluice.webtools.client import Fetched, WebToolLimits
 from sluice.webtools.fetch import fetch, source_read
 from sluice.webtools.store import SourceStore
 from sluice.webtools.tools import TOOLS, render
@@ -111,7 +111,7 @@ def test_encrypted_without_the_empty_password_is_said():
 class PdfClient:
     """A client that answers every URL with one PDF (no network)."""
 
-    limits = Limits()
+    limits = WebToolLimits()
 
     def __init__(self, body: bytes):
         self.body = body

@@ -141,7 +141,7 @@ def test_the_checked_host_is_the_host_dialled(fake_proxy):
         accepted += 1
         target = split_url(url.strip())  # what the first-line check judged
         fake_proxy.lines.clear()
-        with wc.WebClient(env=env, limits=wc.Limits(timeout=5)) as client:
+        with wc.WebClient(env=env, limits=wc.WebToolLimits(timeout=5)) as client:
             with pytest.raises(WebError) as e:
                 client.get(url, classify=lambda f: None)
         assert e.value.code == "web_blocked" and e.value.fields["by"] == "proxy", (url, e.value.as_dict())
@@ -192,14 +192,14 @@ def test_a_refused_redirect_hop_says_so():
 
 
 def test_limits_take_the_policy_languages_units():
-    limits = wc.Limits.from_env({"SLUICE_WEB_TIMEOUT": "2s", "SLUICE_WEB_TEXT_BYTES": "1MiB",
+    limits = wc.WebToolLimits.from_env({"SLUICE_WEB_TIMEOUT": "2s", "SLUICE_WEB_TEXT_BYTES": "1MiB",
                                  "SLUICE_WEB_IMAGE_BYTES": "512KiB", "SLUICE_WEB_PDF_BYTES": "3000000"})
     assert (limits.timeout, limits.text_bytes, limits.image_bytes, limits.pdf_bytes) == (2.0, 2**20, 2**19, 3_000_000)
-    assert wc.Limits.from_env({"SLUICE_WEB_TIMEOUT": "500ms"}).timeout == 0.5
-    assert wc.Limits.from_env({"SLUICE_WEB_TIMEOUT": "20"}).timeout == 20.0
+    assert wc.WebToolLimits.from_env({"SLUICE_WEB_TIMEOUT": "500ms"}).timeout == 0.5
+    assert wc.WebToolLimits.from_env({"SLUICE_WEB_TIMEOUT": "20"}).timeout == 20.0
     for var, value in (("SLUICE_WEB_TIMEOUT", "soon"), ("SLUICE_WEB_TEXT_BYTES", "1 lot"), ("SLUICE_WEB_TIMEOUT", "0")):
         with pytest.raises(WebError) as e:
-            wc.Limits.from_env({var: value})
+            wc.WebToolLimits.from_env({var: value})
         assert e.value.code == "web_bad_argument" and var in e.value.message
 
 
