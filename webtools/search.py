@@ -274,8 +274,8 @@ def _exchange(client: WebClient, call: Call, method: str, url: str, *, headers: 
         content = urlencode(form).encode()
         send["Content-Type"] = "application/x-www-form-urlencoded"
     try:
-        return client.get(url, classify=lambda f: ReadPlan(min(client.limits.text_bytes, BODY_CAP)), headers=send,
-                          credentials=credentials, check=check, method=method, content=content)
+        return client.request(url, classify=lambda f: ReadPlan(min(client.limits.text_bytes, BODY_CAP)), headers=send,
+                              credentials=credentials, check=check, method=method, content=content)
     except WebError as e:
         raise translate(e, call.provider, url) from None
 

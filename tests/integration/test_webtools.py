@@ -398,11 +398,11 @@ def test_credentials_stay_with_their_origin(web, origin):
     secret = {"authorization": "Bearer s3cret", "x-api-key": "k3y"}
     client = web()
     origin.requests.clear()
-    same = client.get(f"{BASE}/to-self", classify=lambda f: None, credentials=secret)
+    same = client.request(f"{BASE}/to-self", classify=lambda f: None, credentials=secret)
     assert same.status == 200
     assert [r["headers"].get("authorization") for r in origin.requests] == ["Bearer s3cret", "Bearer s3cret"]
     origin.requests.clear()
-    client.get(f"{BASE}/to-other", classify=lambda f: None, credentials=secret)
+    client.request(f"{BASE}/to-other", classify=lambda f: None, credentials=secret)
     first, second = origin.requests
     assert first["port"] == PLAIN and first["headers"].get("x-api-key") == "k3y"
     assert second["port"] == OTHER and "authorization" not in second["headers"] and "x-api-key" not in second["headers"]

@@ -26,7 +26,7 @@ class FakeClient:
         self.status, self.body, self.headers, self.raises = status, body, headers or {}, raises
         self.calls = []
 
-    def get(self, url, *, classify, headers=None, credentials=None, check=True, method="GET", content=None):
+    def request(self, url, *, classify, headers=None, credentials=None, check=True, method="GET", content=None):
         self.calls.append({"url": url, "headers": headers or {}, "credentials": credentials, "check": check,
                            "method": method, "content": content})
         if self.raises:

@@ -78,7 +78,7 @@ class OneAnswer:
         self.env, self.limits = {"SEARXNG_URL": "http://searxng:8080"}, WebToolLimits()
         self.body = json.dumps(body).encode()
 
-    def get(self, url, *, classify, **kwargs):
+    def request(self, url, *, classify, **kwargs):
         f = Fetched(url, url, 200, "application/json", "application/json", None, httpx.Headers({}))
         classify(f)
         f.body = self.body

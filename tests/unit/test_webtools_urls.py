@@ -143,7 +143,7 @@ def test_the_checked_host_is_the_host_dialled(fake_proxy):
         fake_proxy.lines.clear()
         with wc.WebClient(env=env, limits=wc.WebToolLimits(timeout=5)) as client:
             with pytest.raises(WebError) as e:
-                client.get(url, classify=lambda f: None)
+                client.request(url, classify=lambda f: None)
         assert e.value.code == "web_blocked" and e.value.fields["by"] == "proxy", (url, e.value.as_dict())
         [line] = fake_proxy.lines
         host, port = dialled(line)
