@@ -26,16 +26,10 @@ from sluice.addons.verdict import Verdict, verdict_of
 from sluice.dialer import OUT_OF_FILES_DIAL, UPSTREAMS_BUSY, Meter
 from sluice.policy.model import Limits, Rules
 from sluice.policy.reasons import Reason, Refusal
+from sluice.policy.units import size_text
 
 NO_BODY_STATUSES = frozenset({204, 304})
 CONNECT_TIMEOUT_PREFIX = f"{Reason.CONNECT_TIMEOUT.value}: "  # how the dialer's timeout reads in server.error
-
-
-def size_text(n: int) -> str:
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= scale and n % scale == 0:
-            return f"{n // scale} {unit}"
-    return f"{n} bytes"
 
 
 class Caps:

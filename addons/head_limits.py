@@ -37,10 +37,7 @@ from sluice.addons.policy_source import PolicySource
 from sluice.addons.refusals import refusal_bytes
 from sluice.policy.model import Limits
 from sluice.policy.reasons import Reason, Refusal
-
-
-def _size(n: int) -> str:
-    return f"{n // 1024} KiB" if n >= 1024 and n % 1024 == 0 else f"{n} bytes"
+from sluice.policy.units import size_text
 
 
 def head_refusal(problem: str, limits: Limits) -> Refusal:
@@ -54,11 +51,11 @@ def head_refusal(problem: str, limits: Limits) -> Refusal:
                                                  "(limits.max_header_count); send fewer headers")
     if problem == mitm_patches.PIPELINED_TOO_MUCH:
         return Refusal(Reason.HEADERS_TOO_LARGE,
-                       f"the client sent more than {_size(limits.max_header_bytes)} of further requests "
+                       f"the client sent more than {size_text(limits.max_header_bytes)} of further requests "
                                                  "while a response was pending (limits.max_header_bytes); wait for "
                                                  "each response")
     return Refusal(Reason.HEADERS_TOO_LARGE,
-                   f"the request head is over this proxy's {_size(limits.max_header_bytes)} cap "
+                   f"the request head is over this proxy's {size_text(limits.max_header_bytes)} cap "
                                              "(limits.max_header_bytes); send fewer or smaller headers")
 
 

@@ -23,13 +23,14 @@ from __future__ import annotations
 from mitmproxy import http, tcp
 
 from sluice import connstate
-from sluice.addons.caps import Caps, size_text
+from sluice.addons.caps import Caps
 from sluice.addons.failsafe import fail_closed
 from sluice.addons.gate import redecide
 from sluice.addons.policy_source import LivePolicy, PolicySource
 from sluice.addons.refusals import noted, refusal_response
 from sluice.addons.verdict import META, Verdict, verdict_of
 from sluice.policy.reasons import Reason, Refusal
+from sluice.policy.units import size_text
 
 
 def _tokens(value: str) -> set[str]:

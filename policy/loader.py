@@ -30,6 +30,7 @@ from sluice.policy.hosts import INTERNAL_SUFFIXES, internal_name
 from sluice.policy.matchers import AddressSet, HostMatcher, PatternError, parse_cidr, parse_host_pattern
 from sluice.policy.ranges import IPV4_NON_PUBLIC, IPV6_NON_PUBLIC, NonPublicRange
 from sluice.policy.reasons import MAX_NOTE_CHARS
+from sluice.policy.units import size_text
 from sluice.policy.request_rules import PathPattern, PathPatternError, QueryGlob, RequestRule, RuleSet
 from sluice.policy.model import (
     STANDARD_METHODS,
@@ -1275,7 +1276,7 @@ def read_regular_file(path: str | Path, limit: int) -> bytes:
             kind = next((name for test, name in _FILE_KINDS if test(st.st_mode)), "not a plain file")
             raise FileRefused(f"it is {kind}, not a regular file (symlinks followed); refusing to read it")
         if st.st_size > limit:
-            raise FileRefused(f"it is {st.st_size} bytes, over the {_size_text(limit)} limit; refusing to read it")
+            raise FileRefused(f"it is {st.st_size} bytes, over the {size_text(limit)} limit; refusing to read it")
         chunks, total = [], 0
         while total <= limit:  # read limit+1 at most: a file growing past fstat's size is still caught
             chunk = os.read(fd, min(limit + 1 - total, 1 << 20))
@@ -1284,14 +1285,10 @@ def read_regular_file(path: str | Path, limit: int) -> bytes:
             chunks.append(chunk)
             total += len(chunk)
         if total > limit:
-            raise FileRefused(f"it grew past the {_size_text(limit)} limit while being read; refusing it")
+            raise FileRefused(f"it grew past the {size_text(limit)} limit while being read; refusing it")
         return b"".join(chunks)
     finally:
         os.close(fd)
-
-
-def _size_text(n: int) -> str:
-    return f"{n // 2**20} MiB" if n % 2**20 == 0 else f"{n // 1024} KiB" if n % 1024 == 0 else f"{n} bytes"
 
 
 def read_policy_bytes(path: str | Path, what: str = "policy") -> bytes:

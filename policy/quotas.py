@@ -37,6 +37,7 @@ from typing import Protocol
 
 from sluice.policy.model import Limits
 from sluice.policy.reasons import Reason, Refusal
+from sluice.policy.units import size_text
 
 # A counter's key: a kind tag, then who (profile, user or source) and what.
 QuotaKey = tuple[str | None, ...]
@@ -212,13 +213,6 @@ def _when(seconds: int) -> str:
     if seconds < 120:
         return f"{seconds} second{'s' if seconds != 1 else ''}"
     return f"{math.ceil(seconds / 60)} minutes"
-
-
-def size_text(n: int) -> str:
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= scale and n % scale == 0:
-            return f"{n // scale} {unit}"
-    return f"{n} bytes"
 
 
 def transfer_refusal(limits: Limits, resets_in: float, *, cut: bool = False) -> Refusal:
