@@ -56,7 +56,10 @@ class UpgradeGuard:
             return
         asked = _tokens(flow.request.headers.get("upgrade", ""))
         if asked and asked != {"websocket"}:
-            verdict.cut(noted(flow, Refusal(Reason.UPGRADE_REFUSED, f"the request asks to upgrade to {', '.join(sorted(asked))[:80]}; only WebSocket upgrades may pass")))
+            verdict.cut(noted(flow,
+                              Refusal(Reason.UPGRADE_REFUSED,
+                                      f"the request asks to upgrade to {', '.join(sorted(asked))[:80]}; only WebSocket "
+                                      "upgrades may pass")))
             flow.response = refusal_response(verdict.cap)
 
     @fail_closed(response_phase=True)
@@ -71,7 +74,8 @@ class UpgradeGuard:
         if not websocket or not verdict.decision.allowed:
             # Answer the client and close both sides before a byte of the
             # other protocol crosses.
-            self.caps.cut(flow, Refusal(Reason.UPGRADE_REFUSED, "the origin switched protocols to something other than a requested WebSocket"))
+            self.caps.cut(flow, Refusal(Reason.UPGRADE_REFUSED,
+                                        "the origin switched protocols to something other than a requested WebSocket"))
             return
         connstate.state_of(flow.client_conn).accepted_upgrades[flow.server_conn.id] = verdict
 
@@ -107,7 +111,8 @@ class UpgradeGuard:
         refusal = None
         if allowed < n:
             refusal = Refusal(Reason.TUNNEL_TOO_LARGE,
-                              f"the upgraded connection carried more than this policy's {size_text(cap)} cap in one direction")
+                              f"the upgraded connection carried more than this policy's {size_text(cap)} cap in one "
+                              "direction")
         if pipe.transfer is not None and allowed > 0:
             granted = pipe.transfer(allowed)
             if granted < allowed:
@@ -134,4 +139,5 @@ class UpgradeGuard:
             refusal = redecide(live.policy, pipe)
             if refusal is not None:
                 self.caps.cut_tunnel(pipe.client, pipe, Refusal(
-                    Reason.TUNNEL_REVOKED, f"the reloaded policy refuses this upgraded connection ({refusal.reason.value}: {refusal.detail})"))
+                    Reason.TUNNEL_REVOKED,
+                    f"the reloaded policy refuses this upgraded connection ({refusal.reason.value}: {refusal.detail})"))

@@ -187,7 +187,7 @@ def test_a_page_too_costly_to_convert_answers_at_the_deadline(env, tool):
     # Converting this page takes ~1.2-1.9 s of CPU on this machine, for fetch and for read: a 0.8 s
     # deadline is one neither can meet on a quiet machine either (downloading it takes milliseconds).
     deadline = 0.8
-    with WebClient(env=env, limits=Limits(timeout=deadline)) as client:
+    with WebClient(env=env, limits=WebToolLimits(timeout=deadline)) as client:
         t = time.monotonic()
         kept = {"store": SourceStore(":memory:")} if tool == "fetch" else {}  # never a reused capture
         result = call(f"{BASE}/brs.html", client=client, **kept)

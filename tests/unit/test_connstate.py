@@ -186,7 +186,8 @@ def test_an_upgraded_pipe_is_held_by_its_connection_until_release():
             flow.request.headers["upgrade"] = "websocket"
             flow.response.status_code = 101
             flow.response.headers["upgrade"] = "websocket"
-            flow.metadata["sluice"] = Verdict("8.8.8.8", 80, Decision(True, address="8.8.8.8", port=80), None, POLICY.rules)
+            flow.metadata["sluice"] = Verdict("8.8.8.8", 80, Decision(True, address="8.8.8.8", port=80), None,
+                                              POLICY.rules)
             proxy.upgrades.responseheaders(flow)
             assert list(connstate.peek(client).accepted_upgrades) == [flow.server_conn.id]
             pipe_flow = tflow.ttcpflow(client_conn=client, server_conn=flow.server_conn)

@@ -16,7 +16,8 @@ from mitmproxy import connection, options
 from mitmproxy.proxy import commands, events
 from mitmproxy.proxy.context import Context
 from mitmproxy.proxy.layers.http._base import ReceiveHttp
-from mitmproxy.proxy.layers.http._events import RequestHeaders, RequestProtocolError, ResponseEndOfMessage, ResponseHeaders
+from mitmproxy.proxy.layers.http._events import (RequestHeaders, RequestProtocolError, ResponseEndOfMessage,
+                                                 ResponseHeaders)
 from mitmproxy.proxy.layers.http._http1 import Http1Server
 from mitmproxy import http
 
@@ -131,7 +132,8 @@ def test_install_is_idempotent():
     mitm_patches.install()
     for patch, _ in mitm_patches.PATCHES.values():
         patch()  # even called directly, a patch never wraps itself twice
-    assert (Http1Server.__dict__["read_headers"], Http1Server.__dict__["_handle_event"], Http1Server.__dict__["wait"]) == first
+    assert (Http1Server.__dict__["read_headers"], Http1Server.__dict__["_handle_event"],
+            Http1Server.__dict__["wait"]) == first
     assert inspect.unwrap(Http1Server.read_headers) is not Http1Server.read_headers
 
 
@@ -224,7 +226,8 @@ def test_endless_empty_lines_are_cut(guard):
 def test_head_under_the_caps_passes_with_its_body(guard):
     server, client = make_server()
     body = b"b" * 5000  # over max_header_bytes, but it is the body, not the head
-    cmds = feed(server, client, b"POST http://example.com/ HTTP/1.1\r\nHost: example.com\r\nContent-Length: 5000\r\n\r\n" + body)
+    cmds = feed(server, client,
+                b"POST http://example.com/ HTTP/1.1\r\nHost: example.com\r\nContent-Length: 5000\r\n\r\n" + body)
     assert guard.refused == [] and not closed(cmds)
     assert len(heads(cmds)) == 1
     assert not any(isinstance(c, mitm_patches.HeadDeadline) for c in cmds)
@@ -480,15 +483,18 @@ def test_h2_stream_left_unread_past_twice_the_cap_is_reset(monkeypatch):
 
     mitm_patches.install()
     cap = 64 * 1024
-    monkeypatch.setattr(mitm_patches.hooks, "head_guard", FakeGuard(Limits(h2_stream_buffer_bytes=cap, h2_max_concurrent_streams=7)))
+    monkeypatch.setattr(mitm_patches.hooks, "head_guard",
+                        FakeGuard(Limits(h2_stream_buffer_bytes=cap, h2_max_concurrent_streams=7)))
     client = connection.Client(peername=("192.0.2.1", 40000), sockname=("127.0.0.1", 8080), timestamp_start=time.time())
     opts = options.Options()
     opts.add_option("validate_inbound_headers", bool, True, "")  # the proxyserver addon's option
     layer = Http2Server(Context(client, opts))
     agent = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True, header_encoding="utf-8"))
-    agent.local_settings = h2.settings.Settings(client=True, initial_values={h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: 0})
+    agent.local_settings = h2.settings.Settings(client=True,
+                                                initial_values={h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: 0})
     agent.initiate_connection()
-    agent.send_headers(1, [(":method", "GET"), (":scheme", "https"), (":authority", "a.example"), (":path", "/")], end_stream=True)
+    agent.send_headers(1, [(":method", "GET"), (":scheme", "https"), (":authority", "a.example"), (":path", "/")],
+                       end_stream=True)
 
     to_agent = sent(layer.handle_event(events.Start()))
     cmds = list(layer.handle_event(events.DataReceived(client, agent.data_to_send())))

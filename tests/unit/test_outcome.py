@@ -60,7 +60,8 @@ SEQUENCES = [ops for n in range(4) for ops in itertools.permutations(OPERATIONS,
 def test_every_order_of_refusals_caps_and_answers_follows_one_precedence(refused, started):
     assert len(SEQUENCES) == 1 + 7 + 42 + 210
     for ops in SEQUENCES:
-        verdict = Verdict("a.example", 443, Decision(not refused, None, GATE if refused else None, port=443), None, None)
+        verdict = Verdict("a.example", 443, Decision(not refused, None, GATE if refused else None, port=443), None,
+                          None)
         verdict.response_started = started
         for op in ops:
             OPERATIONS[op](verdict)
