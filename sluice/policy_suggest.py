@@ -38,7 +38,7 @@ from pathlib import Path
 import yaml
 
 from sluice.policy.decide import intercepts
-from sluice.policy.hosts import HostError, IPHost, NameHost, internal_name, parse_host
+from sluice.policy.hosts import HostError, IPHost, internal_name, parse_host
 from sluice.policy.loader import (
     FileRefused,
     PolicyInvalid,
@@ -152,7 +152,7 @@ def read_audit(path: str, since: float | None, profile: str | None, notes: list[
 def _when(record: dict) -> float:
     try:
         return datetime.datetime.strptime(str(record.get("time")), "%Y-%m-%dT%H:%M:%S.%fZ").replace(
-            tzinfo=datetime.timezone.utc).timestamp()
+            tzinfo=datetime.UTC).timestamp()
     except ValueError:
         return 0.0
 
@@ -181,7 +181,9 @@ def _never_opened(host_text: str) -> str | None:
         return "is not a valid host"
     if isinstance(host, IPHost):
         blocked = classify(host.address)
-        return f"is {blocked.name}, not a public address" if blocked is not None else "is an IP address (name hosts instead)"
+        if blocked is not None:
+            return f"is {blocked.name}, not a public address"
+        return "is an IP address (name hosts instead)"
     why = internal_name(host.name)
     return f"is {why}" if why else None
 
@@ -211,7 +213,8 @@ def plan(policy: Policy, records: list[dict], notes: list[str]) -> dict[str | No
         where = "the top level" if profile is None else f"client profile {profile!r}"
         why = _never_opened(host)
         if why is not None:
-            note(f"{host} stays refused ({reason}): it {why}; suggest never opens non-public addresses or internal names")
+            note(f"{host} stays refused ({reason}): it {why}; suggest never opens non-public addresses or internal "
+                 "names")
             continue
         if reason not in REQUEST_REASONS:
             note(f"{host} stays refused ({reason}): not something a policy edit should lift")
@@ -361,7 +364,8 @@ def edits(text: str, file: str, policy: Policy, scopes: dict[str | None, Scope],
                 rules = _rules_of(policy, owner)
                 for host in scope.rule_hosts:
                     merged[(owner, "rules")] += rule_lines(host, scope.requests[host])
-                    ends = any(r.host_only and r.action == "deny" and r.hosts.match_name(host) for r in rules.request_rules.rules)
+                    ends = any(r.host_only and r.action == "deny" and r.hosts.match_name(host)
+                               for r in rules.request_rules.rules)
                     deny = f"- deny: {{hosts: [{host}]}}"
                     if not ends and deny not in trailing[owner]:
                         trailing[owner].append(deny)
@@ -383,8 +387,8 @@ def edits(text: str, file: str, policy: Policy, scopes: dict[str | None, Scope],
         else:
             if "rules" in keys:  # `rules:` empty or `rules: []`
                 k, v = keys["rules"]
-                raise SuggestError(f"{file}:{k.start_mark.line + 1}: `rules` is empty; remove the key (suggest adds it) "
-                                   "or give it a first entry")
+                raise SuggestError(f"{file}:{k.start_mark.line + 1}: `rules` is empty; remove the key (suggest adds "
+                                   "it) or give it a first entry")
             indent = " " * mapping.start_mark.column
             block = f"{indent}rules:\n" + _lines(indent + "  ", entries + trailing[owner])
             at = _line_start_after(text, mapping) if owner is not None else len(text)
@@ -423,7 +427,7 @@ def suggest(policy_path: str, audit_path: str, *, profile: str | None = None, si
     since_ts = None
     if since is not None:
         try:
-            since_ts = (now if now is not None else datetime.datetime.now(datetime.timezone.utc).timestamp()) - \
+            since_ts = (now if now is not None else datetime.datetime.now(datetime.UTC).timestamp()) - \
                 parse_duration(since)
         except ValueError as e:
             return _usage(f"--since: {e}")

@@ -113,7 +113,7 @@ class RenderLimits:
     concurrency: int = 1
 
     @classmethod
-    def from_env(cls, env: dict | None = None) -> "RenderLimits":
+    def from_env(cls, env: dict | None = None) -> RenderLimits:
         env = os.environ if env is None else env
         values: dict = {}
         for name, parse in (("requests", int), ("bytes", parse_size), ("dom_nodes", int), ("memory", parse_size),
@@ -463,7 +463,7 @@ class Renderer:
         try:
             proxy = {"server": spec.proxy, **({"username": user, "password": password or ""} if user else {})}
             result = await asyncio.wait_for(page_run.run(proxy, screenshot), max(deadline - time.monotonic(), 0.1))
-        except asyncio.TimeoutError:
+        except TimeoutError:
             await self._kill(browser)
             raise _deadline(url, timeout) from None
         except WebError:
@@ -655,7 +655,7 @@ class _PageRun:
         except PlaywrightError as e:
             text = str(e)
             if "Timeout" in type(e).__name__ or "Timeout" in text.split("\n", 1)[0]:
-                raise asyncio.TimeoutError from None
+                raise TimeoutError from None
             first = clean(text.splitlines()[0] if text else type(e).__name__, 300)
             if "ERR_TUNNEL_CONNECTION_FAILED" in text:
                 raise WebError("web_blocked", f"the proxy refused (or could not open) the tunnel to "

@@ -172,7 +172,8 @@ def render(tool_name: str, result: dict) -> str:
             return binary_header(result)
         if result.get("screenshot"):
             shot = result["screenshot"]
-            return f"{result['text']}\nScreenshot {shot['content_type']}, {shot['bytes']:,} bytes (sha256 {shot['sha256']})"
+            return (f"{result['text']}\nScreenshot {shot['content_type']}, {shot['bytes']:,} bytes (sha256 "
+                    f"{shot['sha256']})")
         return result["text"]  # a PDF's is its text (the PDF itself goes as its own part)
     if tool_name == "read":
         head = [f"Title: {result['title']}"] if result["title"] else []

@@ -455,7 +455,8 @@ def test_explain_and_test_decide_the_path_and_name_the_rule(tmp_path, capsys):
     assert (data["reason"], data["rule"]) == ("rule_denied", f"{policy}:4")
     cases = tmp_path / "cases.yaml"
     cases.write_text("- {url: 'https://api.github.com/user', expect: allow, resolve: {api.github.com: 140.82.112.6}}\n"
-                     "- {url: 'https://api.github.com/user/', expect: allow, resolve: {api.github.com: 140.82.112.6}}\n")
+                     "- {url: 'https://api.github.com/user/', expect: allow, resolve: {api.github.com: "
+                     "140.82.112.6}}\n")
     assert run_test(str(policy), str(cases)) == 1
     out = capsys.readouterr().out
-    assert f"cases.yaml:2: FAIL" in out and f"[rule {policy}:7]" in out and "1 passed, 1 failed" in out
+    assert "cases.yaml:2: FAIL" in out and f"[rule {policy}:7]" in out and "1 passed, 1 failed" in out

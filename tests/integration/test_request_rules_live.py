@@ -14,11 +14,9 @@ target; an HTTP/2-only origin of this module records `:path`.
 from __future__ import annotations
 
 import asyncio
-import json
 import socket
 import ssl
 import threading
-import time
 import urllib.request
 from pathlib import Path
 

@@ -132,7 +132,7 @@ class RenderOrigin:
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.paths: list[str] = []
 
-    def start(self) -> "RenderOrigin":
+    def start(self) -> RenderOrigin:
         self.thread.start()
         asyncio.run_coroutine_threadsafe(self._start(), self.loop).result(10)
         return self
@@ -411,7 +411,7 @@ def foreign_browsers() -> list[int]:
             continue
         try:
             cmdline = open(f"/proc/{entry}/cmdline", "rb").read()
-            sid = os.getsid(int(entry))
+            os.getsid(int(entry))
         except OSError:
             continue
         if b"sluice-render-" in cmdline and int(entry) not in own:

@@ -30,7 +30,8 @@ clients:
     allow: ["**.example.org"]
 """
 
-KEYS = {"decision", "reason", "would_refuse", "rule", "profile", "host", "port", "path", "addresses", "address", "status", "detail",
+KEYS = {"decision", "reason", "would_refuse", "rule", "profile", "host", "port", "path", "addresses", "address",
+        "status", "detail",
         "message", "via", "note", "credential"}
 
 
@@ -109,8 +110,10 @@ def test_the_private_networks_entry_is_the_rule_when_no_allow_rule_matched(cli, 
 
 
 def test_connect_and_head(explain):
-    assert decided(explain("--method", "CONNECT", "--resolve", "example.com=1.1.1.1", "https://example.com/"))["decision"] == "allow"
-    assert decided(explain("--method", "head", "--resolve", "example.com=1.1.1.1", "https://example.com/"))["decision"] == "allow"
+    assert decided(explain("--method", "CONNECT", "--resolve", "example.com=1.1.1.1",
+                           "https://example.com/"))["decision"] == "allow"
+    assert decided(explain("--method", "head", "--resolve", "example.com=1.1.1.1",
+                           "https://example.com/"))["decision"] == "allow"
 
 
 def test_an_empty_port_means_the_default(explain):
@@ -124,7 +127,8 @@ def test_refusal_carries_reason_rule_status_and_message(explain, policy):
     data = decided(explain("--resolve", "x.pastebin.com=1.1.1.1", "https://x.pastebin.com/raw/abc", expect_code=3))
     assert data["decision"] == "refuse" and data["reason"] == "host_denied" and data["status"] == 403
     assert data["rule"] == f"{policy}:4"
-    assert data["message"].startswith("Sluice refused this request: x.pastebin.com is denied by the rule '**.pastebin.com'.")
+    assert data["message"].startswith("Sluice refused this request: x.pastebin.com is denied by the rule "
+                                      "'**.pastebin.com'.")
     assert "do not retry" in data["message"] and data["address"] is None
 
 
@@ -191,7 +195,8 @@ def test_a_name_missing_from_the_resolve_table_is_unresolvable(explain):
 
 
 def test_method_not_allowed(explain):
-    data = decided(explain("--method", "post", "--resolve", "example.com=1.1.1.1", "http://example.com/", expect_code=3))
+    data = decided(explain("--method", "post", "--resolve", "example.com=1.1.1.1", "http://example.com/",
+                           expect_code=3))
     assert data["reason"] == "method_not_allowed"
     assert decided(explain("--method", "PROPFIND", "http://8.8.8.8/", expect_code=3))["reason"] == "method_not_allowed"
 
@@ -200,14 +205,16 @@ def test_method_not_allowed(explain):
 
 
 def test_client_selects_a_profile_by_name(explain):
-    data = decided(explain("--client", "ci", "--method", "HEAD", "--resolve", "example.com=1.1.1.1", "http://example.com/", expect_code=3))
+    data = decided(explain("--client", "ci", "--method", "HEAD", "--resolve", "example.com=1.1.1.1",
+                           "http://example.com/", expect_code=3))
     assert data["profile"] == "ci" and data["reason"] == "method_not_allowed"
     data = decided(explain("--client", "ci", "--resolve", "example.com=1.1.1.1", "http://example.com/", expect_code=0))
     assert data["profile"] == "ci"
 
 
 def test_report_mode_allows_and_shows_what_it_would_refuse(explain):
-    data = decided(explain("--client", "watcher", "--resolve", "example.com=1.1.1.1", "http://example.com/", expect_code=0))
+    data = decided(explain("--client", "watcher", "--resolve", "example.com=1.1.1.1", "http://example.com/",
+                           expect_code=0))
     assert data["decision"] == "allow" and data["would_refuse"] is True
     assert data["reason"] == "host_not_allowed" and data["status"] is None and data["message"] is None
     assert data["address"] == "1.1.1.1" and "not on this policy's allow list" in data["detail"]
@@ -372,7 +379,8 @@ def test_parse_url(url, host, port, scheme, credentials):
     from sluice.policy_cli import parse_url
 
     dest = parse_url(url, "POST")
-    assert (dest.host, dest.port, dest.scheme, dest.has_credentials, dest.method) == (host, port, scheme, credentials, "POST")
+    assert (dest.host, dest.port, dest.scheme, dest.has_credentials, dest.method) == \
+        (host, port, scheme, credentials, "POST")
 
 
 # ---- https:// URLs are judged as the proxy meets them (issue 10, item 1) ----------------------
@@ -420,7 +428,8 @@ def test_an_https_url_not_intercepted_is_its_connect_and_the_method_is_not_visib
 def test_a_tunnel_is_refused_by_host_port_and_address_with_the_note(explain, cli, tunnels):
     data = decided(cli(["policy", "explain", "--policy", tunnels, "--method", "DELETE", "https://bad.example/"]))
     assert (data["decision"], data["reason"], data["via"]) == ("refuse", "host_denied", "tunnel")
-    data = decided(cli(["policy", "explain", "--policy", tunnels, "--resolve", "x.example=10.0.0.1", "https://x.example/"]))
+    data = decided(cli(["policy", "explain", "--policy", tunnels, "--resolve", "x.example=10.0.0.1",
+                        "https://x.example/"]))
     assert (data["reason"], data["via"]) == ("dns_answer_not_public", "tunnel")
     data = decided(cli(["policy", "explain", "--policy", tunnels, "https://8.8.8.8:8443/"]))
     assert (data["reason"], data["via"]) == ("port_not_allowed", "tunnel")
@@ -460,7 +469,8 @@ def test_an_intercepted_host_is_decided_per_request_with_its_method(cli, tunnels
 
 
 def test_an_intercepted_connect_that_is_refused_is_the_answer(cli, tunnels):
-    data = decided(cli(["policy", "explain", "--policy", tunnels, "--client", "ci", "--method", "POST", "https://bad.example/"]))
+    data = decided(cli(["policy", "explain", "--policy", tunnels, "--client", "ci", "--method", "POST",
+                        "https://bad.example/"]))
     assert (data["reason"], data["via"]) == ("host_denied", "intercepted")
     assert data["note"] == "intercepted: CONNECT bad.example:443 is refused, so no request reaches the tunnel."
 

@@ -117,7 +117,8 @@ def test_apply_writes_checks_and_a_second_run_has_nothing_left(tmp_path, capsys)
 
 def test_a_profile_with_its_own_rules_gets_them_first_and_explicit_denies_stay(tmp_path, capsys):
     lines = [would(profile="ci", path="/repos/acme/x", reason="rule_denied", rule=None),
-             would(profile="ci", method="DELETE", path="/repos/acme/x", reason="rule_denied", rule=f"{tmp_path}/policy.yaml:14"),
+             would(profile="ci", method="DELETE", path="/repos/acme/x", reason="rule_denied",
+                   rule=f"{tmp_path}/policy.yaml:14"),
              would(profile="ci", event="connect", method="CONNECT", path=None, host="files.pythonhosted.org")]
     p, a = write(tmp_path, POLICY, lines)
     code, out, err = run(capsys, "--policy", str(p), "--audit", str(a), "--profile", "ci")

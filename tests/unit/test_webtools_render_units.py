@@ -28,7 +28,8 @@ def test_without_playwright_render_names_what_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "playwright.async_api", None)  # import fails as if not installed
     r = fetch("https://example.com/", render=True, client=WebClient(env=ENV))
     assert code(r) == "web_render_unavailable"
-    assert "pip install 'sluice[render]'" in r["error"]["message"] and "apt-get install chromium" in r["error"]["message"]
+    assert "pip install 'sluice[render]'" in r["error"]["message"]
+    assert "apt-get install chromium" in r["error"]["message"]
 
 
 def test_without_chromium_render_names_what_to_install(monkeypatch, tmp_path):
