@@ -485,10 +485,13 @@ Classifier = Callable[[Fetched], ReadPlan | None]  # None: do not read the body
 
 @dataclass
 class WebClient:
-    """One tool call's client. `env` defaults to os.environ."""
+    """One tool call's client. `env` defaults to os.environ. `transport`
+    stands in for the proxy connection (tests: httpx.MockTransport); every
+    check and cap still runs, a proxy must still be configured."""
 
     env: dict | None = None
     limits: WebToolLimits = field(default_factory=WebToolLimits)
+    transport: httpx.BaseTransport | None = None
     _clients: dict = field(default_factory=dict, repr=False)
 
     def close(self) -> None:
@@ -507,7 +510,9 @@ class WebClient:
         client = self._clients.get(proxy)
         if client is None:
             client = httpx.Client(
-                proxy=proxy, verify=ssl_context(self.env), trust_env=False, follow_redirects=False,
+                # An injected transport replaces the proxy's (httpx would route every URL to the proxy's instead).
+                proxy=proxy if self.transport is None else None, transport=self.transport,
+                verify=ssl_context(self.env), trust_env=False, follow_redirects=False,
                 timeout=httpx.Timeout(self.limits.timeout), http2=False,
                 # No connection is reused, so every exchange's socket is a new one the watchdog sees.
                 limits=httpx.Limits(max_keepalive_connections=0),
@@ -517,10 +522,10 @@ class WebClient:
             self._clients[proxy] = client
         return client
 
-    def get(self, url: str, *, classify: Classifier, headers: dict[str, str] | None = None,
-            credentials: dict[str, str] | None = None, check: bool = True, method: str = "GET",
-            content: bytes | None = None, robots: bool = False, deadline: float | None = None) -> Fetched:
-        """GET `url` through the proxy, following redirects (each checked),
+    def request(self, url: str, *, classify: Classifier, headers: dict[str, str] | None = None,
+                credentials: dict[str, str] | None = None, check: bool = True, method: str = "GET",
+                content: bytes | None = None, robots: bool = False, deadline: float | None = None) -> Fetched:
+        """`method` (GET unless told) `url` through the proxy, following redirects (each checked),
         and read the body as `classify` plans it. `credentials` go only to
         the URL's own origin; `check=False` skips the first-line check (URLs
         the operator configured). `method`/`content` send another method

@@ -55,7 +55,9 @@ ERRORS: dict[str, str] = {
                             "owner's)",
     "web_store_error": "the source store could not be opened or written (SLUICE_SOURCES)",
     "web_not_html": "read takes HTML or XHTML pages only; use request for text and JSON, sitemap for sitemaps",
-    "web_robots_disallowed": "the origin's robots.txt disallows this URL for Sluice's user agent (`rule`, `robots_url`), or answered a 5xx, which disallows the whole site for a few minutes; SLUICE_WEB_ROBOTS=ignore turns the check off",
+    "web_robots_disallowed": "the origin's robots.txt disallows this URL for Sluice's user agent (`rule`, "
+                             "`robots_url`), or answered a 5xx, which disallows the whole site for a few minutes; "
+                             "SLUICE_WEB_ROBOTS=ignore turns the check off",
     "web_page_too_large": "the page's visible text is longer than one result (`chars`, `sha256`); no text is returned",
     "web_method_not_allowed": "request sends GET only",
     "web_header_not_allowed": "request may set only accept and accept-language (the refused header is named)",

@@ -33,7 +33,7 @@ from datetime import datetime, UTC
 
 from sluice.webtools import charsets
 from sluice.policy.loader import parse_duration
-from sluice.webtools.client import MAX_URL_CHARS, Fetched, Limits, ReadPlan, WebClient, call_client, request_url
+from sluice.webtools.client import MAX_URL_CHARS, Fetched, WebToolLimits, ReadPlan, WebClient, call_client, request_url
 from sluice.webtools.errors import WebError
 from sluice.webtools.sniff import check_signature
 from sluice.webtools.sanitize import TITLE_CHARS, URL_CHARS, clean, clean_optional, media_type
@@ -91,7 +91,7 @@ def conversion_errors(url: str, timeout: float):
                        url=url) from None
 
 
-def _fetch_plan(limits: Limits):
+def _fetch_plan(limits: WebToolLimits):
     def classify(f: Fetched) -> ReadPlan:
         if not 200 <= f.status < 300:
             raise status_not_ok(f)
@@ -119,7 +119,8 @@ def fetch(url: str, offset: int = 0, max_chars: int = DEFAULT_MAX_CHARS, render:
         if not isinstance(render, bool) or not isinstance(screenshot, bool):
             raise WebError("web_bad_argument", "render and screenshot are true or false")
         if screenshot and not render:
-            raise WebError("web_bad_argument", "screenshot=true needs render=true (a screenshot is of the rendered page)")
+            raise WebError("web_bad_argument",
+                           "screenshot=true needs render=true (a screenshot is of the rendered page)")
         owner = default_owner() if owner is None else owner
         with call_client(client) as client:
             reuse = reuse_seconds(getattr(client, "env", None))
@@ -138,7 +139,7 @@ def fetch(url: str, offset: int = 0, max_chars: int = DEFAULT_MAX_CHARS, render:
                 rendered = _render(url, client, screenshot)
                 if rendered.is_html:
                     return _rendered_page(rendered, client, store, owner, offset, max_chars, key)
-            fetched = client.get(url, classify=_fetch_plan(client.limits), robots=True)
+            fetched = client.request(url, classify=_fetch_plan(client.limits), robots=True)
         if fetched.mime in IMAGE_TYPES or fetched.mime == PDF_TYPE:
             check_signature(fetched.mime, fetched.body, fetched.final_url)  # an "image" of HTML is refused
         if fetched.mime in IMAGE_TYPES:

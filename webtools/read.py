@@ -40,7 +40,7 @@ def read(url: str, *, client: WebClient | None = None, max_text_chars: int = MAX
 
         started = time.monotonic()
         with call_client(client) as client:
-            fetched = client.get(url, classify=classify, robots=True)
+            fetched = client.request(url, classify=classify, robots=True)
         from sluice.webtools.convert import page_text
 
         with conversion_errors(fetched.final_url, client.limits.timeout):

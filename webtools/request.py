@@ -64,7 +64,7 @@ def request(url: str, method: str = "GET", headers: dict | None = None, *, clien
             return ReadPlan(client.limits.text_bytes)
 
         with call_client(client) as client:
-            fetched = client.get(url, classify=classify, headers=send, robots=True)
+            fetched = client.request(url, classify=classify, headers=send, robots=True)
         cap = min(client.limits.text_bytes, max(max_body_bytes, 0))
         size, digest = len(fetched.body), fetched.sha256
         if size > cap:

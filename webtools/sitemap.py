@@ -201,7 +201,7 @@ def sitemap(url: str, *, client: WebClient | None = None, result_cap: int = RESU
             return ReadPlan(client.limits.sitemap_bytes)
 
         with call_client(client) as client:
-            fetched = client.get(url, classify=classify, robots=True)
+            fetched = client.request(url, classify=classify, robots=True)
         parsed = parse_sitemap(fetched.body, where=fetched.final_url, result_cap=result_cap,
                                max_bytes=client.limits.sitemap_bytes)
         return {"kind": parsed.pop("kind"), "url": clean(fetched.url, URL_CHARS),

@@ -79,7 +79,8 @@ CREATE INDEX IF NOT EXISTS sources_created ON sources (created);
 CREATE INDEX IF NOT EXISTS sources_owner_created ON sources (owner, created);
 """
 
-_FIELDS = ("url", "final_url", "status", "content_type", "title", "needs_javascript", "truncated", "captured_at", "content",
+_FIELDS = ("url", "final_url", "status", "content_type", "title", "needs_javascript", "truncated", "captured_at",
+           "content",
            "hidden_chars", "kind", "extra", "reuse_key")
 # Columns later versions added, with their definitions: an older store gains them on open.
 _ADDED_COLUMNS = {"hidden_chars": "INTEGER NOT NULL DEFAULT 0", "kind": "TEXT NOT NULL DEFAULT 'page'", "extra": "TEXT",
@@ -152,7 +153,8 @@ class SourceStore:
         self._fit(source_id, owner, source, len(extra or ""))
         size = row_size(source_id, owner, source) + len(extra or "")
         flags = (READ_CAP if source["truncated"] and not source.get("store_truncated") else 0) | (
-            STORE_CAP if source.get("store_truncated") else 0) | (MARKDOWN_CAP if source.get("markdown_truncated") else 0)
+            STORE_CAP if source.get("store_truncated") else 0) | (MARKDOWN_CAP if source.get("markdown_truncated")
+                                                                  else 0)
         values = {"hidden_chars": 0, "kind": "page", "reuse_key": None, **source, "truncated": flags, "extra": extra}
         now = time.time()
         try:

@@ -91,8 +91,8 @@ TOOLS: dict[str, Tool] = {
     "fetch": Tool(
         "fetch", "web_fetch", "fetch", fetch,
         "Fetch a web page as markdown: HTML's main content (no menus or hidden text); text, JSON and XML "
-        "as they are; images whole; PDFs whole and as text. Long pages come in windows: when the header says 'pass offset=N to "
-        "continue', call again with offset=N. web_status_not_ok, web_unsupported_type, web_too_large, "
+        "as they are; images whole; PDFs whole and as text. Long pages come in windows: when the header says 'pass "
+        "offset=N to continue', call again with offset=N. web_status_not_ok, web_unsupported_type, web_too_large, "
         "web_type_mismatch, web_robots_disallowed: try another URL. " + _envelope("The page", "page") + " " + _REQUESTS,
         (_URL, _OFFSET, _MAX, Param("render", "boolean", "run the page's scripts in a browser (slow)", False),
          Param("screenshot", "boolean", "with render: add a PNG of the viewport", False)),

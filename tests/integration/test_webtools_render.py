@@ -30,7 +30,7 @@ import pytest
 from harness import default_policy
 from harness.http import read_request_head
 from sluice.webtools import render as render_mod
-from sluice.webtools.client import Limits, WebClient
+from sluice.webtools.client import WebToolLimits, WebClient
 from sluice.webtools.fetch import fetch
 from sluice.webtools.store import SourceStore
 
@@ -239,7 +239,7 @@ def render(env, tmp_path):
     store = SourceStore(tmp_path / "sources.db")
 
     def call(url, *, timeout=20.0, extra_env=None, **kwargs):
-        client = WebClient(env={**env, **(extra_env or {})}, limits=Limits(timeout=timeout))
+        client = WebClient(env={**env, **(extra_env or {})}, limits=WebToolLimits(timeout=timeout))
         try:
             return fetch(url, render=True, client=client, store=store, owner="t", **kwargs)
         finally:

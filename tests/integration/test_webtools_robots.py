@@ -35,8 +35,10 @@ User-agent: Sluice
 Disallow: /private/
 Allow: /private/open$
 """
-PAGE = b"<html><head><title>Open</title></head><body><main><p>" + b"An open page of words. " * 20 + b"</p></main></body></html>"
-SITEMAP = b'<urlset xmlns="http://www.sitemaps.org/schemas/sitemap/0.9"><url><loc>https://a.example/</loc></url></urlset>'
+PAGE = (b"<html><head><title>Open</title></head><body><main><p>" + b"An open page of words. " * 20
+        + b"</p></main></body></html>")
+SITEMAP = (b'<urlset '
+           b'xmlns="http://www.sitemaps.org/schemas/sitemap/0.9"><url><loc>https://a.example/</loc></url></urlset>')
 
 
 class RobotsOrigin:
@@ -89,7 +91,8 @@ class RobotsOrigin:
             if port == REFUSED:
                 return 302, "text/plain", b"", ["Location: http://169.254.169.254/robots.txt"]
             if port == FRESH:
-                return 200, "text/plain", b"User-agent: Sluice\nDisallow: " + self.fresh_rule + b"\n", ["Cache-Control: max-age=1"]
+                rules = b"User-agent: Sluice\nDisallow: " + self.fresh_rule + b"\n"
+                return 200, "text/plain", rules, ["Cache-Control: max-age=1"]
             return 404, "text/plain", b"no robots here", []
         if path == "/to-private":
             return 302, "text/plain", b"", [f"Location: http://{ORIGIN}:{RULES}/private/x"]
@@ -135,8 +138,10 @@ def test_disallowed_urls_are_refused_by_every_tool_with_the_rule(client, origin)
     ok = fetch(f"{base}/open", client=client, store=store, owner="a")
     assert ok["title"] == "Open", ok
     assert fetch(f"{base}/private/open", client=client, store=store, owner="a")["kind"] == "page"  # Allow ...$ wins
-    for result in (fetch(f"{base}/private/x", client=client, store=store, owner="a"), read(f"{base}/private/x", client=client),
-                   request(f"{base}/private/x.json", client=client), sitemap(f"{base}/private/sitemap.xml", client=client)):
+    for result in (fetch(f"{base}/private/x", client=client, store=store, owner="a"),
+                   read(f"{base}/private/x", client=client),
+                   request(f"{base}/private/x.json", client=client),
+                   sitemap(f"{base}/private/sitemap.xml", client=client)):
         e = result["error"]
         assert e["code"] == "web_robots_disallowed" and e["rule"] == "Disallow: /private/", result
         assert e["robots_url"] == f"{base}/robots.txt"
@@ -159,7 +164,8 @@ def test_ignore_turns_it_off(proxy, origin):
     assert r["kind"] == "page" and origin.seen(RULES, "/private/x") == 1
     assert origin.seen(RULES, "/robots.txt") == asked  # not even asked
     with WebClient(env={"SLUICE_PROXY": proxy.proxy_url, "SLUICE_WEB_ROBOTS": "maybe"}) as c:
-        assert code(fetch(f"http://{ORIGIN}:{RULES}/open", client=c, store=SourceStore(":memory:"))) == "web_bad_argument"
+        assert code(fetch(f"http://{ORIGIN}:{RULES}/open", client=c,
+                          store=SourceStore(":memory:"))) == "web_bad_argument"
 
 
 def test_a_5xx_disallows_missing_and_refused_allow(client, origin, canaries):

@@ -116,7 +116,7 @@ class PdfClient:
     def __init__(self, body: bytes):
         self.body = body
 
-    def get(self, url, *, classify, **kwargs):
+    def request(self, url, *, classify, **kwargs):
         return Fetched(url, url, 200, "application/pdf", "application/pdf", None, httpx.Headers(), self.body)
 
 

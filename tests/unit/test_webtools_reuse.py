@@ -8,7 +8,7 @@ import time
 import httpx
 
 from harness import pdfs
-from sluice.webtools.client import Fetched, Limits
+from sluice.webtools.client import Fetched, WebToolLimits
 from sluice.webtools.fetch import DEFAULT_REUSE_SECONDS, fetch, reuse_key, reuse_seconds
 from sluice.webtools.store import SourceStore
 
@@ -16,12 +16,12 @@ from sluice.webtools.store import SourceStore
 class CountingClient:
     """Answers every URL with a text page (or a PDF) and counts the requests (no network)."""
 
-    limits = Limits()
+    limits = WebToolLimits()
 
     def __init__(self, env=None, body=b"the page, version 1", mime="text/plain"):
         self.env, self.body, self.mime, self.urls = env or {}, body, mime, []
 
-    def get(self, url, *, classify, **kwargs):
+    def request(self, url, *, classify, **kwargs):
         self.urls.append(url)
         return Fetched(url, url, 200, self.mime, self.mime, None, httpx.Headers(), self.body)
 
@@ -90,11 +90,12 @@ def test_a_failed_fetch_is_not_reused():
     store = SourceStore(":memory:")
 
     class Failing(CountingClient):
-        def get(self, url, *, classify, **kwargs):
+        def request(self, url, *, classify, **kwargs):
             self.urls.append(url)
             return classify(Fetched(url, url, 503, "text/plain", "text/plain", None, httpx.Headers(), b"down"))
 
     client = Failing()
     for _ in range(2):
-        assert fetch("https://a.example/p", client=client, store=store, owner="o")["error"]["code"] == "web_status_not_ok"
+        assert fetch("https://a.example/p", client=client, store=store,
+                     owner="o")["error"]["code"] == "web_status_not_ok"
     assert len(client.urls) == 2

@@ -45,7 +45,8 @@ def test_no_rules_and_server_errors():
 def test_only_the_first_500_kib_is_parsed():
     body = b"User-agent: Sluice\nDisallow: /early\n" + b"# " + b"x" * (robots.MAX_BYTES) + b"\nDisallow: /late\n"
     r = rules(body)
-    assert robots.verdict(r, "https://a.example/early") is not None and robots.verdict(r, "https://a.example/late") is None
+    assert robots.verdict(r, "https://a.example/early") is not None and robots.verdict(r,
+                                                                                       "https://a.example/late") is None
 
 
 @pytest.mark.parametrize("headers, seconds", [
