@@ -603,7 +603,8 @@ class WebClient:
 
         now = time.monotonic()
         try:
-            fetched = self.get(robots_url, classify=classify, deadline=min(deadline, now + robots_txt.ROBOTS_SECONDS))
+            fetched = self.request(robots_url, classify=classify,
+                                   deadline=min(deadline, now + robots_txt.ROBOTS_SECONDS))
         except WebError:  # unreachable, refused by the proxy, too large, a redirect loop: no rules
             fetched = None
         if fetched is not None and 200 <= fetched.status < 300:
