@@ -31,7 +31,9 @@ from typing import NamedTuple, Protocol
 
 from sluice.policy.clients import ClientIdentity, ClientMatch, rematch
 from sluice.policy.credentials import Credential, apply_to
-from sluice.policy.decide import Decision, Destination, check_address, check_answers, check_own_address, check_request, intercepts
+from sluice.policy.decide import (
+    Decision, Destination, check_address, check_answers, check_own_address, check_request, intercepts,
+)
 from sluice.policy.hosts import HostError, NameHost, parse_host
 from sluice.policy.model import Policy, Rules
 from sluice.policy.reasons import Reason, Refusal
@@ -206,7 +208,9 @@ async def _admit_inside(identity: ClientMatch, arrival: Arrival, resolver: NameR
                      origin_form=origin_form)
 
 
-def _credential(rules: Rules, decision: Decision, host: str, scheme: str | None) -> tuple[Credential | None, Refusal | None]:
+def _credential(
+    rules: Rules, decision: Decision, host: str, scheme: str | None,
+) -> tuple[Credential | None, Refusal | None]:
     """The entry whose headers the proxy sets on an allowed request it sees
     whole (policy.credentials.apply_to, with the host the gate decided on),
     or the `credential_plain_http` refusal."""
@@ -328,7 +332,8 @@ def fronting(tunnel_host: str, host_header: str | None, sni: str | None, authori
     or a request target authority (absolute-form, or HTTP/2 `:authority`)
     that names another host than the CONNECT target."""
     if sni and not same_host(sni, tunnel_host):
-        return Refusal(Reason.HOST_MISMATCH, f"the TLS server name {shorten(sni)!r} is not the tunnel's host {tunnel_host}")
+        return Refusal(Reason.HOST_MISMATCH,
+                       f"the TLS server name {shorten(sni)!r} is not the tunnel's host {tunnel_host}")
     for what, value in (("Host header", host_header), ("request target", authority)):
         if not value:
             continue
@@ -337,7 +342,8 @@ def fronting(tunnel_host: str, host_header: str | None, sni: str | None, authori
         except ValueError:
             named = value
         if not same_host(named, tunnel_host):
-            return Refusal(Reason.HOST_MISMATCH, f"the {what} {shorten(value)!r} is not the tunnel's host {tunnel_host}")
+            return Refusal(Reason.HOST_MISMATCH,
+                           f"the {what} {shorten(value)!r} is not the tunnel's host {tunnel_host}")
     return None
 
 
@@ -395,7 +401,8 @@ def readmit_tunnel(policy: Policy, tunnel: OpenTunnel, own_host: OwnHost = POLIC
         return Readmission(still_allowed(policy, tunnel))
     match = rematch(policy, tunnel.identity)
     if match.refusal is not None:
-        return Readmission(replace(match.refusal, detail=f"its client matches no client profile now: {match.refusal.detail}"))
+        detail = f"its client matches no client profile now: {match.refusal.detail}"
+        return Readmission(replace(match.refusal, detail=detail))
     refusal = _allows(match.rules, tunnel)
     if refusal is None and tunnel.addresses:
         refusal = own_host.refusal(match.rules, policy.proxy_addresses, tunnel.addresses, tunnel.port)

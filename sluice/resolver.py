@@ -188,8 +188,10 @@ class PinnedResolver:
             except dns.resolver.NXDOMAIN as e:
                 for response in e.kwargs.get("responses", {}).values():
                     _add_chain(chain, response)  # the aliases the server followed to the missing name
-                missing = f"{name} is an alias (CNAME) of {chain[-1]}, which does not exist" if chain else f"{name} does not exist"
-                raise DnsFailure(f"{missing} (NXDOMAIN: no such name in DNS)", cacheable=True, cnames=tuple(chain)) from None
+                missing = (f"{name} is an alias (CNAME) of {chain[-1]}, which does not exist" if chain
+                           else f"{name} does not exist")
+                raise DnsFailure(f"{missing} (NXDOMAIN: no such name in DNS)", cacheable=True,
+                                 cnames=tuple(chain)) from None
             except dns.resolver.LifetimeTimeout:
                 raise DnsFailure(f"the DNS lookup of {_via(name, chain)} timed out after {self.settings.timeout:g}s",
                                  transient=True, cnames=tuple(chain)) from None
@@ -296,7 +298,8 @@ def _internal_alias(pending: Decision, cnames: tuple[str, ...]) -> Decision | No
         why = internal_name(alias)
         if why:
             chain = f" (chain: {' -> '.join((str(pending.host), *cnames[:i + 1]))})" if i else ""
-            refusal = Refusal(Reason.DNS_ANSWER_NOT_PUBLIC, f"{pending.host} is an alias (CNAME) of {alias}, which is {why}{chain}")
+            refusal = Refusal(Reason.DNS_ANSWER_NOT_PUBLIC,
+                              f"{pending.host} is an alias (CNAME) of {alias}, which is {why}{chain}")
             return Decision(False, pending.host, refusal, port=pending.port)
     return None
 

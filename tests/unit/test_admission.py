@@ -298,7 +298,8 @@ def test_a_reload_moves_a_tunnel_to_its_clients_new_profile_or_refuses_it():
 
 TRICKY_AUTHORITIES = [
     "a.example", "A.EXAMPLE.:443", "a.example:0", "a.example:65535", "a.example:65536", "a..example", ".a.example",
-    "a.example..", "[::1]", "[::1]:80", "::1", "[v1.fe]", "1.2.3.4:80", "0x7f.1", "bücher.example", "xn--bcher-kva.example",
+    "a.example..", "[::1]", "[::1]:80", "::1", "[v1.fe]", "1.2.3.4:80", "0x7f.1", "bücher.example",
+    "xn--bcher-kva.example",
     "a_b.example", "-a.example", "a-.example", "a" * 64 + ".example", ("a" * 63 + ".") * 4 + "example",
     "a.example:+80", "a.example: 80", "a example", "[]", "[::1", "a.example:80:80", "%41.example", "\u200b.example",
 ]

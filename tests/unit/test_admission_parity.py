@@ -77,8 +77,8 @@ class _Gate:
     def __init__(self) -> None:
         audit = AuditLog()
         audit.write = lambda **record: None
-        self.source = SimpleNamespace(current=SimpleNamespace(policy=POLICY, resolver=StaticResolver(DNS), generation=1),
-                                      on_reload=lambda f: None, poll_seconds=0)
+        current = SimpleNamespace(policy=POLICY, resolver=StaticResolver(DNS), generation=1)
+        self.source = SimpleNamespace(current=current, on_reload=lambda f: None, poll_seconds=0)
         self.caps = Caps(self.source, audit)
         self.gate = EgressGate(self.source, audit, self.caps)
         self.credentials = CredentialInjector(self.source, audit)
@@ -98,9 +98,9 @@ async def _through_the_gate(proxy: _Gate, client, method: str, url: str):
     the front door, or a CONNECT and then (intercepted) the request inside."""
     dest = parse_url(url, method)
     if dest.scheme == "http":
-        flow = tflow.tflow(client_conn=client, req=tutils.treq(method=method.encode(), host=dest.host, port=dest.port,
-                                                               scheme=b"http", authority=f"{dest.host}:{dest.port}".encode(),
-                                                               path=b"/"))
+        request = tutils.treq(method=method.encode(), host=dest.host, port=dest.port, scheme=b"http",
+                              authority=f"{dest.host}:{dest.port}".encode(), path=b"/")
+        flow = tflow.tflow(client_conn=client, req=request)
         await proxy.gate.requestheaders(flow)
         proxy.credentials.requestheaders(flow)
         return _outcome(flow)
