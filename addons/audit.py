@@ -29,7 +29,7 @@ from typing import IO, Any
 
 from mitmproxy import connection, ctx, exceptions, http, tcp
 
-from sluice.addons.verdict import Verdict, verdict_of
+from sluice.outcome import Outcome, outcome_of
 from sluice.policy.decide import Decision
 from sluice.policy.request_rules import MAX_AUDIT_PATH, split_target
 
@@ -154,61 +154,61 @@ class AuditLog:
 
     def http_flow(self, flow: http.HTTPFlow) -> None:
         """One line when an HTTP exchange (or a refused CONNECT) ends."""
-        verdict = verdict_of(flow)
-        if verdict is None or verdict.logged:
+        outcome = outcome_of(flow)
+        if outcome is None or outcome.logged:
             return
-        verdict.logged = True
-        d = verdict.decision
-        refusal = verdict.refusal
+        outcome.logged = True
+        d = outcome.decision
+        refusal = outcome.refusal
         soft = d.would_refuse
         response = flow.response
         connect = flow.request.method == "CONNECT"
         self.write(
             event="connect" if connect else "request",
-            id=flow.id, connect_id=verdict.connect_id,
-            client=peer(flow.client_conn), user=verdict.user, profile=verdict.profile,
+            id=flow.id, connect_id=outcome.connect_id,
+            client=peer(flow.client_conn), user=outcome.user, profile=outcome.profile,
             method=flow.request.method, scheme=None if connect else flow.request.scheme,
-            host=str(d.host) if d.host else verdict.host, port=verdict.port,
+            host=str(d.host) if d.host else outcome.host, port=outcome.port,
             path=None if connect else audit_path(flow.request.path), address=d.address,
             decision="refuse" if refusal else "allow",
             reason=(refusal or soft).reason.value if (refusal or soft) else None,
             would_refuse=True if soft else None,
             rule=_rule(d, refusal),
             credential=flow.metadata.get(CREDENTIAL_META),
-            status=verdict.status(response.status_code if response else None),
-            bytes_out=verdict.bytes_from_client or (len(flow.request.raw_content or b"") if d.allowed else 0),
-            bytes_in=verdict.bytes_from_server or (len(response.raw_content or b"") if response and d.allowed else 0),
-            duration=round(time.time() - verdict.started, 4),
+            status=outcome.status(response.status_code if response else None),
+            bytes_out=outcome.bytes_from_client or (len(flow.request.raw_content or b"") if d.allowed else 0),
+            bytes_in=outcome.bytes_from_server or (len(response.raw_content or b"") if response and d.allowed else 0),
+            duration=round(time.time() - outcome.started, 4),
             detail=refusal.detail if refusal else (flow.error.msg if flow.error else None),
         )
 
     def tunnel(self, flow: tcp.TCPFlow) -> None:
         """One line when a tunnel's TCP flow ends."""
-        verdict = verdict_of(flow)
-        if verdict is None:  # not decided by the gate: should not happen; log what we know
+        outcome = outcome_of(flow)
+        if outcome is None:  # not decided by the gate: should not happen; log what we know
             server = flow.server_conn
             address = server.peername[0] if server.peername else (server.address[0] if server.address else "?")
-            verdict = Verdict(address, server.address[1] if server.address else 0, Decision(True, address=address),
+            outcome = Outcome(address, server.address[1] if server.address else 0, Decision(True, address=address),
                               None, None)
-        self.tunnel_line(verdict, flow.client_conn, flow.id, flow.error.msg if flow.error else None)
+        self.tunnel_line(outcome, flow.client_conn, flow.id, flow.error.msg if flow.error else None)
 
-    def tunnel_line(self, verdict: Verdict, client: connection.Client, flow_id: str | None = None, error: str
+    def tunnel_line(self, outcome: Outcome, client: connection.Client, flow_id: str | None = None, error: str
                     | None = None) -> None:
         """One line when a tunnel (CONNECT, SOCKS5, transparent) closes or is cut."""
-        if verdict.logged:
+        if outcome.logged:
             return
-        verdict.logged = True
-        d = verdict.decision
+        outcome.logged = True
+        d = outcome.decision
         self.write(
-            event="tunnel", id=flow_id or verdict.connect_id, connect_id=verdict.connect_id,
-            client=peer(client), user=verdict.user, profile=verdict.profile,
-            host=str(d.host) if d.host else verdict.host, port=verdict.port, address=d.address,
-            decision="refuse" if verdict.cap else "allow",
-            reason=(verdict.cap or d.would_refuse).reason.value if (verdict.cap or d.would_refuse) else None,
-            would_refuse=True if d.would_refuse else None, rule=_rule(d, verdict.cap),
-            bytes_out=verdict.bytes_from_client, bytes_in=verdict.bytes_from_server,
-            duration=round(time.time() - verdict.started, 4),
-            detail=verdict.cap.detail if verdict.cap else error,
+            event="tunnel", id=flow_id or outcome.connect_id, connect_id=outcome.connect_id,
+            client=peer(client), user=outcome.user, profile=outcome.profile,
+            host=str(d.host) if d.host else outcome.host, port=outcome.port, address=d.address,
+            decision="refuse" if outcome.cap else "allow",
+            reason=(outcome.cap or d.would_refuse).reason.value if (outcome.cap or d.would_refuse) else None,
+            would_refuse=True if d.would_refuse else None, rule=_rule(d, outcome.cap),
+            bytes_out=outcome.bytes_from_client, bytes_in=outcome.bytes_from_server,
+            duration=round(time.time() - outcome.started, 4),
+            detail=outcome.cap.detail if outcome.cap else error,
         )
 
     def refused_connection(self, client: connection.Client, host: str, port: int, decision: Decision, profile: str

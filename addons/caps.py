@@ -4,7 +4,7 @@ caps. Nothing is ever buffered to be counted, so memory stays flat.
 
 A cap that trips before the response started answers the client with a clear
 status and `Sluice-Reason`; after bytes went out, the connection is closed.
-Either way the verdict records the cap, the audit line names it, and the
+Either way the outcome records the cap, the audit line names it, and the
 client connection (with its server connections) is closed and freed.
 """
 
@@ -22,7 +22,7 @@ from sluice.addons.audit import AuditLog
 from sluice.addons.failsafe import fail_closed
 from sluice.addons.policy_source import PolicySource
 from sluice.addons.refusals import answer_now, noted, refusal_bytes, refusal_response
-from sluice.addons.verdict import Verdict, verdict_of
+from sluice.outcome import Outcome, outcome_of
 from sluice.dialer import OUT_OF_FILES_DIAL, UPSTREAMS_BUSY, Meter
 from sluice.policy.model import Limits, Rules
 from sluice.policy.reasons import Reason, Refusal
@@ -57,9 +57,9 @@ class Caps:
     def h2_stream_reset(self, flow: http.HTTPFlow, buffered: int, cap: int) -> None:
         """mitm_patches reset an HTTP/2 stream whose client did not read it
         (the backstop of h2_stream_buffer_cap): its audit line says so."""
-        verdict = verdict_of(flow)
-        if verdict is not None:
-            verdict.cut(Refusal(
+        outcome = outcome_of(flow)
+        if outcome is not None:
+            outcome.cut(Refusal(
                 Reason.RESPONSE_TOO_LARGE,
                 f"the client left this HTTP/2 stream unread while the proxy held {buffered} bytes of it, over twice "
                 f"this proxy's {size_text(cap)} limits.h2_stream_buffer_bytes, so the stream was reset",
@@ -96,14 +96,14 @@ class Caps:
 
     @fail_closed()
     def requestheaders(self, flow: http.HTTPFlow) -> None:
-        verdict = verdict_of(flow)
-        if verdict is None or not verdict.decision.allowed or flow.response is not None:
+        outcome = outcome_of(flow)
+        if outcome is None or not outcome.decision.allowed or flow.response is not None:
             return
-        limits = verdict.limits
+        limits = outcome.limits
         length = flow.request.headers.get("content-length")
         if length is not None and length.strip().isdigit() and int(length) > limits.max_request_bytes:
-            verdict.cut(Refusal(Reason.REQUEST_TOO_LARGE, f"the request body is {int(length)} bytes, over this policy's {size_text(limits.max_request_bytes)} cap"))
-            answer_now(flow, verdict.cap)
+            outcome.cut(Refusal(Reason.REQUEST_TOO_LARGE, f"the request body is {int(length)} bytes, over this policy's {size_text(limits.max_request_bytes)} cap"))
+            answer_now(flow, outcome.cap)
             return
         if length is None:
             # Chunked HTTP/1, and HTTP/2 bodies (which need no length at all):
@@ -116,43 +116,43 @@ class Caps:
 
     @fail_closed(response_phase=True)
     def responseheaders(self, flow: http.HTTPFlow) -> None:
-        verdict = verdict_of(flow)
-        if verdict is None or not verdict.decision.allowed or verdict.cap is not None:
+        outcome = outcome_of(flow)
+        if outcome is None or not outcome.decision.allowed or outcome.cap is not None:
             return
-        limits = verdict.limits
+        limits = outcome.limits
         response = flow.response
         has_body = flow.request.method != "HEAD" and response.status_code >= 200 and response.status_code not in NO_BODY_STATUSES
         length = response.headers.get("content-length")
         if has_body and length is not None and length.strip().isdigit() and int(length) > limits.max_response_bytes:
-            verdict.cut(Refusal(Reason.RESPONSE_TOO_LARGE, f"the response body is {int(length)} bytes, over this policy's {size_text(limits.max_response_bytes)} cap"))
-            answer_now(flow, verdict.cap)
+            outcome.cut(Refusal(Reason.RESPONSE_TOO_LARGE, f"the response body is {int(length)} bytes, over this policy's {size_text(limits.max_response_bytes)} cap"))
+            answer_now(flow, outcome.cap)
             return
         if response.stream is False or response.stream is None:
             # Stream every body: counted chunk by chunk, never buffered whole.
             response.stream = _BodyCounter(self, flow, limits.max_response_bytes, request=False)
-        verdict.response_started = True
+        outcome.response_started = True
 
     def response(self, flow: http.HTTPFlow) -> None:
         self._finish(flow)
 
     def error(self, flow: http.HTTPFlow) -> None:
         timeout = _take_connect_refusal(flow.client_conn)
-        verdict = verdict_of(flow)
-        if timeout is not None and verdict is not None and not verdict.response_started and verdict.cut(timeout):
+        outcome = outcome_of(flow)
+        if timeout is not None and outcome is not None and not outcome.response_started and outcome.cut(timeout):
             answer_now(flow, timeout)
-        elif (verdict is not None and verdict.decision.allowed and verdict.cap is None
-              and not verdict.response_started and flow.client_conn.state & ConnectionState.CAN_WRITE):
+        elif (outcome is not None and outcome.decision.allowed and outcome.cap is None
+              and not outcome.response_started and flow.client_conn.state & ConnectionState.CAN_WRITE):
             # The origin failed before answering (reset, refused, bad
             # response): mitmproxy answers the client 502 itself.
-            verdict.sent(502)
+            outcome.sent(502)
         self._finish(flow)
 
     def http_connect_error(self, flow: http.HTTPFlow) -> None:
         timeout = _take_connect_refusal(flow.client_conn)
-        verdict = verdict_of(flow)
-        if timeout is not None and verdict is not None:
-            verdict.cut(timeout)
-            flow.response = refusal_response(noted(flow, verdict.cap))
+        outcome = outcome_of(flow)
+        if timeout is not None and outcome is not None:
+            outcome.cut(timeout)
+            flow.response = refusal_response(noted(flow, outcome.cap))
 
     def _finish(self, flow: http.HTTPFlow) -> None:
         handle = self._request_deadlines.pop(flow.id, None)
@@ -165,8 +165,8 @@ class Caps:
 
     def cut(self, flow: http.HTTPFlow, refusal: Refusal) -> None:
         """End an exchange now, from outside any hook (timer, body chunk)."""
-        verdict = verdict_of(flow)
-        if verdict is None or not verdict.cut(refusal):
+        outcome = outcome_of(flow)
+        if outcome is None or not outcome.cut(refusal):
             return
         self._close_cut(flow)
 
@@ -174,15 +174,15 @@ class Caps:
         """From inside mitmproxy's event processing (a body chunk): the
         exchange is marked cut now, so its audit line names the cut even if
         mitmproxy ends the exchange first; its sockets close just after."""
-        verdict = verdict_of(flow)
-        if verdict is None or not verdict.cut(refusal):
+        outcome = outcome_of(flow)
+        if outcome is None or not outcome.cut(refusal):
             return
         asyncio.get_running_loop().call_soon(self._close_cut, flow)
 
     def _close_cut(self, flow: http.HTTPFlow) -> None:
-        verdict = verdict_of(flow)
-        refusal = noted(flow, verdict.cap)
-        if not verdict.response_started and not (flow.request.is_http2 or flow.request.is_http3):
+        outcome = outcome_of(flow)
+        refusal = noted(flow, outcome.cap)
+        if not outcome.response_started and not (flow.request.is_http2 or flow.request.is_http3):
             connections.write_to_client(flow.client_conn, refusal_bytes(refusal))
         connections.close_client(flow.client_conn)
         self._finish(flow)
@@ -190,46 +190,46 @@ class Caps:
 
     # ---- tunnels -----------------------------------------------------------
 
-    def watch_tunnel(self, client: connection.Client, verdict: Verdict) -> None:
+    def watch_tunnel(self, client: connection.Client, outcome: Outcome) -> None:
         """Start a passed-through tunnel's time cap as soon as it is open (a
         tunnel that never carries a byte is still capped)."""
-        seconds = verdict.limits.tunnel_max_seconds
+        seconds = outcome.limits.tunnel_max_seconds
         if seconds is None:
             return
         handle = asyncio.get_running_loop().call_later(
-            seconds, self.cut_tunnel, client, verdict,
+            seconds, self.cut_tunnel, client, outcome,
             Refusal(Reason.TUNNEL_TIMEOUT, f"the tunnel stayed open longer than this policy's {seconds:g}s tunnel cap"),
         )
         connstate.state_of(client).tunnel_deadlines.append(handle)
 
-    def tunnel_meter(self, client: connection.Client, verdict: Verdict) -> Meter:
+    def tunnel_meter(self, client: connection.Client, outcome: Outcome) -> Meter:
         """The dialer's meter for a passed-through tunnel: count its bytes in
         each direction and cut it at `tunnel_max_bytes` (the byte that would
         pass the cap never goes out)."""
-        cap = verdict.limits.tunnel_max_bytes
+        cap = outcome.limits.tunnel_max_bytes
         loop = asyncio.get_running_loop()
 
         def meter(from_client: bool, n: int) -> int:
-            if verdict.cap is not None:
+            if outcome.cap is not None:
                 return 0
-            before = verdict.bytes_from_client if from_client else verdict.bytes_from_server
+            before = outcome.bytes_from_client if from_client else outcome.bytes_from_server
             allowed = n if cap is None else max(0, min(n, cap - before))
             if from_client:
-                verdict.bytes_from_client += allowed
+                outcome.bytes_from_client += allowed
             else:
-                verdict.bytes_from_server += allowed
+                outcome.bytes_from_server += allowed
             if allowed < n:
-                loop.call_soon(self.cut_tunnel, client, verdict, Refusal(
+                loop.call_soon(self.cut_tunnel, client, outcome, Refusal(
                     Reason.TUNNEL_TOO_LARGE, f"the tunnel carried more than this policy's {size_text(cap)} cap in one direction"))
             return allowed
 
         return meter
 
-    def cut_tunnel(self, client: connection.Client, verdict: Verdict, refusal: Refusal) -> None:
-        if verdict.logged or not verdict.cut(refusal):
+    def cut_tunnel(self, client: connection.Client, outcome: Outcome, refusal: Refusal) -> None:
+        if outcome.logged or not outcome.cut(refusal):
             return
         connections.close_client(client)
-        self.audit.tunnel_line(verdict, client)
+        self.audit.tunnel_line(outcome, client)
 
 
 def _take_connect_refusal(client: connection.Client) -> Refusal | None:
@@ -243,7 +243,7 @@ def _take_connect_refusal(client: connection.Client) -> Refusal | None:
 class _BodyCounter:
     """A mitmproxy stream callable: counts a body's bytes on the wire, passes
     them through, and cuts the exchange once the cap is passed or its
-    client's transfer quota (`verdict.transfer`) runs out (the client then
+    client's transfer quota (`outcome.transfer`) runs out (the client then
     sees a body that ends without its terminator: plainly incomplete)."""
 
     __slots__ = ("caps", "flow", "cap", "request", "seen", "tripped")
@@ -264,21 +264,21 @@ class _BodyCounter:
             return []  # b"" would go out as a zero-length chunk: an end of body
         if not chunk:
             return chunk
-        verdict: Verdict | None = verdict_of(self.flow)
-        if verdict is None or verdict.cap is not None:
+        outcome: Outcome | None = outcome_of(self.flow)
+        if outcome is None or outcome.cap is not None:
             return []
         self.seen += len(chunk)
         if self.request:
-            verdict.bytes_from_client = self.seen
+            outcome.bytes_from_client = self.seen
         else:
-            verdict.bytes_from_server = self.seen
+            outcome.bytes_from_server = self.seen
         allowed = len(chunk) - max(0, self.seen - self.cap)
         refusal = None
         if allowed < len(chunk):
             reason = Reason.REQUEST_TOO_LARGE if self.request else Reason.RESPONSE_TOO_LARGE
             what = "request" if self.request else "response"
             refusal = Refusal(reason, f"the {what} body passed this policy's {size_text(self.cap)} cap")
-        charge = verdict.transfer
+        charge = outcome.transfer
         if charge is not None and allowed > 0:
             # The client's transfer quota, charged as the bytes pass: when it
             # runs out, this exchange (and every other one in flight) stops here.
@@ -289,9 +289,9 @@ class _BodyCounter:
             return chunk
         self.tripped = True
         if self.request:
-            verdict.bytes_from_client -= len(chunk) - allowed  # what passed
+            outcome.bytes_from_client -= len(chunk) - allowed  # what passed
         else:
-            verdict.bytes_from_server -= len(chunk) - allowed
+            outcome.bytes_from_server -= len(chunk) - allowed
         self.caps.cut_soon(self.flow, refusal)
         head = chunk[:allowed]
         return head if head else []

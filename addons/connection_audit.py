@@ -23,7 +23,7 @@ hooks. Some refusals happen in mitmproxy before (or instead of) them:
   Sluice's 403), or, with no flow (SOCKS5, which gets REP 2), written when
   the client connection ends.
 
-Each case writes exactly one line: it either turns the flow's verdict into
+Each case writes exactly one line: it either turns the flow's outcome into
 the refusal (the audit log's own line then says it) or writes the line
 itself where no other line will be written. This addon runs before the gate,
 the caps and the audit log (addons/sluice_addon.py).
@@ -50,7 +50,7 @@ from sluice.addons import connections, mitm_patches
 from sluice.addons.audit import AuditLog, peer, quote_client
 from sluice.addons.own_host import mitmproxy_listeners
 from sluice.addons.refusals import REASON_HEADER, error_bytes, error_response, refusal_body, refusal_bytes, refusal_response
-from sluice.addons.verdict import Verdict, verdict_of
+from sluice.outcome import Outcome, outcome_of
 from sluice.policy.decide import ALLOWED_SCHEMES, scheme_refusal
 from sluice.policy.reasons import Reason, Refusal
 
@@ -103,13 +103,13 @@ class ConnectionAudit:
         earlier hook (the gate inside a tunnel, the upgrade guard, the
         fail-safe) ends with the operator's sentence for its client, like
         every other."""
-        verdict = verdict_of(flow)
+        outcome = outcome_of(flow)
         response = flow.response
-        refusal = verdict.answer if verdict is not None else None
+        refusal = outcome.answer if outcome is not None else None
         if (refusal is None or refusal.note is not None or response is None or response.stream
                 or response.headers.get(REASON_HEADER) != refusal.reason.value):
             return
-        note = verdict.rules.refusal_note if verdict.rules is not None else _top_note()
+        note = outcome.rules.refusal_note if outcome.rules is not None else _top_note()
         if note and response.raw_content == refusal_body(refusal):  # exactly Sluice's un-noted body
             response.content = refusal_body(refusal.with_note(note))
 
@@ -132,25 +132,25 @@ class ConnectionAudit:
         loop = state.loop if state is not None else None
         if state is not None:
             state.answered = state.loop = None
-        verdict = verdict_of(flow)
-        if answered is not None and invalid is None and verdict is not None:
+        outcome = outcome_of(flow)
+        if answered is not None and invalid is None and outcome is not None:
             # The head parsed, its framing did not: mitmproxy answered 400
             # (error_page) before the flow began; its line says so.
-            verdict.answered(answered, answered.status)
+            outcome.answered(answered, answered.status)
         if loop is not None:
             self._loop_flow(flow, *loop)
 
     def _invalid_request(self, flow: http.HTTPFlow, message: str) -> None:
-        verdict = verdict_of(flow)
-        if message.startswith("Invalid request scheme") and verdict is not None and not verdict.decision.allowed:
+        outcome = outcome_of(flow)
+        if message.startswith("Invalid request scheme") and outcome is not None and not outcome.decision.allowed:
             # mitmproxy's check is the gate's scheme rule: keep its reason,
             # and answer with its refusal instead of mitmproxy's 400.
-            self._answer(flow.client_conn, verdict.decision.refusal, verdict)
-            verdict.sent(verdict.decision.refusal.status)
+            self._answer(flow.client_conn, outcome.decision.refusal, outcome)
+            outcome.sent(outcome.decision.refusal.status)
             return
         refusal = Refusal(Reason.BAD_REQUEST, f"the request is malformed HTTP: {_validation_error(message)}")
-        self._answer(flow.client_conn, refusal, verdict)
-        if verdict is None:  # a CONNECT (the gate decides those later) or a request it never saw
+        self._answer(flow.client_conn, refusal, outcome)
+        if outcome is None:  # a CONNECT (the gate decides those later) or a request it never saw
             request = flow.request
             self.audit.write(
                 event="connect" if request.method == "CONNECT" else "request", id=flow.id,
@@ -159,14 +159,14 @@ class ConnectionAudit:
                 decision="refuse", reason=refusal.reason.value, status=400, detail=refusal.detail,
             )
             return
-        verdict.answered(refusal, 400)  # whatever the gate decided, the client gets this 400
+        outcome.answered(refusal, 400)  # whatever the gate decided, the client gets this 400
 
     # ---- Sluice's answer in place of mitmproxy's error pages --------------
 
-    def _answer(self, client: connection.Client, refusal: Refusal, verdict: Verdict | None = None) -> None:
+    def _answer(self, client: connection.Client, refusal: Refusal, outcome: Outcome | None = None) -> None:
         """The client's next mitmproxy error page is this refusal (with the
         operator's note for its rules, or the top level's)."""
-        rules = verdict.rules if verdict is not None and verdict.rules is not None else None
+        rules = outcome.rules if outcome is not None and outcome.rules is not None else None
         note = rules.refusal_note if rules is not None else _top_note()
         connstate.state_of(client).error_page = refusal.with_note(note)
 
@@ -200,25 +200,25 @@ class ConnectionAudit:
             connections.shut_client_writer(data.client)
 
     def _loop_flow(self, flow: http.HTTPFlow, refusal: Refusal, host: str, port: int) -> None:
-        verdict = verdict_of(flow)
+        outcome = outcome_of(flow)
         if flow.request.method == "CONNECT" and flow.response is not None:
             flow.response = refusal_response(refusal.with_note(
-                verdict.rules.refusal_note if verdict is not None and verdict.rules is not None else _top_note()))
+                outcome.rules.refusal_note if outcome is not None and outcome.rules is not None else _top_note()))
             status = None  # sent after this hook, instead of mitmproxy's 502
         else:
             # mitmproxy answers the failed dial after this hook: error_page
             # sends this refusal instead of its 502.
-            self._answer(flow.client_conn, refusal, verdict)
+            self._answer(flow.client_conn, refusal, outcome)
             status = refusal.status
-        if verdict is None:
+        if outcome is None:
             self.audit.write(event="connect" if flow.request.method == "CONNECT" else "request", id=flow.id,
                              client=peer(flow.client_conn), method=flow.request.method, host=host, port=port,
                              decision="refuse", reason=refusal.reason.value, status=status or refusal.status,
                              detail=refusal.detail)
             return
         # The gate allowed it, the dial was refused: the audit log's line for
-        # this flow (and the tunnel's, for a CONNECT: the same verdict) says so.
-        verdict.answered(refusal, status)
+        # this flow (and the tunnel's, for a CONNECT: the same outcome) says so.
+        outcome.answered(refusal, status)
 
     # client_disconnected: a loop no flow took (SOCKS5, transparent) gets its
     # line when addons/conn_release.py releases the ConnState.

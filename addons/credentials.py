@@ -40,7 +40,7 @@ from sluice.addons.audit import CREDENTIAL_META, AuditLog
 from sluice.addons.failsafe import fail_closed
 from sluice.addons.policy_source import LivePolicy, PolicySource
 from sluice.addons.refusals import refusal_response
-from sluice.addons.verdict import ADMISSION_META, verdict_of
+from sluice.outcome import ADMISSION_META, outcome_of
 from sluice.policy.credentials import CredentialHeader, format_value, value_problem
 from sluice.policy.loader import MAX_SECRET_BYTES, FileRefused, read_regular_file
 from sluice.policy.model import Policy
@@ -64,15 +64,15 @@ class CredentialInjector:
     def requestheaders(self, flow: http.HTTPFlow) -> None:
         if flow.response is not None or flow.request.method == "CONNECT":
             return
-        verdict = verdict_of(flow)
-        if verdict is None or verdict.rules is None or not verdict.decision.allowed or verdict.cap is not None:
+        outcome = outcome_of(flow)
+        if outcome is None or outcome.rules is None or not outcome.decision.allowed or outcome.cap is not None:
             return
         admission = flow.metadata.get(ADMISSION_META)  # the gate chose the entry (sluice.admission)
         if admission is None:
             return
         if admission.credential_refusal is not None:
-            verdict.cut(admission.credential_refusal)
-            flow.response = refusal_response(verdict.cap)
+            outcome.cut(admission.credential_refusal)
+            flow.response = refusal_response(outcome.cap)
             return
         entry = admission.credential
         if entry is None:

@@ -30,7 +30,7 @@ from mitmproxy import ctx, http
 
 from sluice import connstate
 from sluice.addons import connections
-from sluice.addons.verdict import verdict_of
+from sluice.outcome import outcome_of
 from sluice.policy.reasons import SHUTDOWN_ADVICE, Reason, Refusal
 
 logger = logging.getLogger("sluice.drain")
@@ -125,13 +125,13 @@ class Drain:
         for _, state in connstate.states():
             state.in_flight.clear()
         for flow in flows:
-            verdict = verdict_of(flow)
-            if verdict is not None and verdict.cap is None and not verdict.logged:
+            outcome = outcome_of(flow)
+            if outcome is not None and outcome.cap is None and not outcome.logged:
                 self.caps.cut(flow, refusal)
                 cut += 1
             else:
                 connections.close_client(flow.client_conn)
-        for verdict in self._open_tunnels():
-            self.caps.cut_tunnel(verdict.client, verdict, refusal)
+        for outcome in self._open_tunnels():
+            self.caps.cut_tunnel(outcome.client, outcome, refusal)
             cut += 1
         return cut

@@ -17,7 +17,7 @@ from mitmproxy.proxy.server_hooks import ServerConnectionHookData
 
 from sluice.addons import open_files
 from sluice.addons.refusals import answer_now, refusal_response
-from sluice.addons.verdict import META, Verdict, verdict_of
+from sluice.outcome import META, Outcome, outcome_of
 from sluice.policy.decide import Decision
 from sluice.policy.reasons import Reason, Refusal
 
@@ -31,12 +31,12 @@ def _refuse(target, response_started: bool) -> None:
         target.server.error = f"{INTERNAL.reason.value}: {INTERNAL.message}"
         return
     if isinstance(target, http.HTTPFlow):
-        verdict = verdict_of(target)
-        if verdict is None:
-            target.metadata[META] = Verdict(target.request.host, target.request.port,
+        outcome = outcome_of(target)
+        if outcome is None:
+            target.metadata[META] = Outcome(target.request.host, target.request.port,
                                             Decision(False, None, INTERNAL), None, None)
         else:
-            verdict.fail(INTERNAL)
+            outcome.fail(INTERNAL)
         if response_started:
             answer_now(target, INTERNAL)  # headers not sent yet, but a body may be on its way
         else:

@@ -57,7 +57,7 @@ from sluice.addons.identity import PROXY_AUTHORIZATION, ClientIdentifier, parse_
 from sluice.addons.own_host import OWN_HOST
 from sluice.addons.policy_source import LivePolicy, PolicySource
 from sluice.addons.refusals import refusal_response
-from sluice.addons.verdict import ADMISSION_META, META, Verdict, verdict_of
+from sluice.outcome import ADMISSION_META, META, Outcome, outcome_of
 from sluice.admission import (
     Admission, Arrival, Kind, OpenTunnel, TunnelFacts, addresses_of, admit, readmit_dial, readmit_tunnel,
     tunnel_client,
@@ -112,13 +112,13 @@ class EgressGate:
             await self._gate_inside_tunnel(flow, tunnel)
         else:
             await self._gate_http(flow)
-        verdict = verdict_of(flow)
-        if verdict is not None and flow.error is not None:
+        outcome = outcome_of(flow)
+        if outcome is not None and flow.error is not None:
             # mitmproxy already found the request invalid (e.g. an ftp:// URL)
             # and answers 400 itself after this hook: record what was sent.
             flow.response = None
-            verdict.sent(400)
-        elif verdict is not None and verdict.decision.allowed:
+            outcome.sent(400)
+        elif outcome is not None and outcome.decision.allowed:
             admission: Admission | None = flow.metadata.get(ADMISSION_META)
             if admission is not None:
                 for name in admission.strip_headers:
@@ -132,7 +132,7 @@ class EgressGate:
         if tunnel is not None:
             admission = await admit(self.live().policy, tunnel_client(self.live().policy, tunnel.profile),
                                     _inside_arrival(flow, tunnel), self.live().resolver)
-            flow.metadata[META] = Verdict(tunnel.host, tunnel.port, admission.decision, tunnel.profile, None)
+            flow.metadata[META] = Outcome(tunnel.host, tunnel.port, admission.decision, tunnel.profile, None)
             _inside(flow, tunnel)
             flow.response = refusal_response(admission.decision.refusal)
             return
@@ -150,14 +150,14 @@ class EgressGate:
         )
         admission = await admit(live.policy, client, arrival, live.resolver, OWN_HOST)
         decision = admission.decision
-        verdict = Verdict(request.host, request.port, decision, client.profile, admission.rules,
+        outcome = Outcome(request.host, request.port, decision, client.profile, admission.rules,
                           intercept=admission.intercept, method=admission.method)
-        flow.metadata[META] = verdict
+        flow.metadata[META] = outcome
         flow.metadata[ADMISSION_META] = admission
-        verdict.user = _user(live.policy, authorization)
-        verdict.identity = self.identity.identity(live.policy, flow.client_conn, authorization, client)
+        outcome.user = _user(live.policy, authorization)
+        outcome.identity = self.identity.identity(live.policy, flow.client_conn, authorization, client)
         if connect:
-            verdict.connect_id = flow.id  # its tunnel's line, and the requests inside, carry it
+            outcome.connect_id = flow.id  # its tunnel's line, and the requests inside, carry it
         if not decision.allowed:
             flow.response = refusal_response(decision.refusal)
             return
@@ -171,9 +171,9 @@ class EgressGate:
         if connect:
             if admission.sni is not None:
                 flow.server_conn.sni = admission.sni  # verify upstream against the name
-            self._remember_tunnel(flow.client_conn, flow.server_conn, verdict)
+            self._remember_tunnel(flow.client_conn, flow.server_conn, outcome)
 
-    async def _gate_inside_tunnel(self, flow: http.HTTPFlow, tunnel: Verdict) -> None:
+    async def _gate_inside_tunnel(self, flow: http.HTTPFlow, tunnel: Outcome) -> None:
         """A request inside an intercepted tunnel, decided by admit() with the
         live policy's rules for the tunnel's client profile."""
         request = flow.request
@@ -181,7 +181,7 @@ class EgressGate:
         live = self.live()
         admission = await admit(live.policy, tunnel_client(live.policy, tunnel.profile), _inside_arrival(flow, tunnel),
                                 live.resolver)
-        flow.metadata[META] = Verdict(tunnel.host, tunnel.port, admission.decision, tunnel.profile, admission.rules,
+        flow.metadata[META] = Outcome(tunnel.host, tunnel.port, admission.decision, tunnel.profile, admission.rules,
                                       method=request.method)
         flow.metadata[ADMISSION_META] = admission
         _inside(flow, tunnel)
@@ -245,10 +245,10 @@ class EgressGate:
             # A refused client (or transport) is audited without a profile.
             self._refuse_dial(data, host, port, decision, client.profile if admission.rules is not None else None)
             return
-        verdict = Verdict(host, port, decision, client.profile, client.rules, intercept=admission.intercept)
-        verdict.user = self.identity.socks5_user(data.client)
-        verdict.identity = self.identity.identity(live.policy, data.client, None, client)
-        self._remember_tunnel(data.client, server, verdict)
+        outcome = Outcome(host, port, decision, client.profile, client.rules, intercept=admission.intercept)
+        outcome.user = self.identity.socks5_user(data.client)
+        outcome.identity = self.identity.identity(live.policy, data.client, None, client)
+        self._remember_tunnel(data.client, server, outcome)
         self._approve(data.client, admission.pin, port, client.rules)
         server.address = (admission.pin, port)  # pin
         if admission.sni is not None:
@@ -308,10 +308,10 @@ class EgressGate:
         state = connstate.peek(client)
         return state.approved.get((ip, port)) if ip is not None and state is not None else None
 
-    def _remember_tunnel(self, client: connection.Client, server: connection.Server, verdict: Verdict) -> None:
-        verdict.client = client
-        connstate.state_of(client).tunnels[server.id] = verdict
-        self.caps.watch_tunnel(client, verdict)
+    def _remember_tunnel(self, client: connection.Client, server: connection.Server, outcome: Outcome) -> None:
+        outcome.client = client
+        connstate.state_of(client).tunnels[server.id] = outcome
+        self.caps.watch_tunnel(client, outcome)
 
     # client_disconnected: addons/conn_release.py releases the approvals and
     # the tunnels (writing each tunnel's line) with the rest of the ConnState.
@@ -392,8 +392,8 @@ class EgressGate:
                         Reason.TUNNEL_REVOKED, f"the reloaded policy refuses this tunnel ({refusal.reason.value}: {refusal.detail})"))
 
 
-def tunnel_of(client: connection.Client, server: connection.Server | None) -> Verdict | None:
-    """The verdict of the tunnel (CONNECT, SOCKS5, transparent) this server
+def tunnel_of(client: connection.Client, server: connection.Server | None) -> Outcome | None:
+    """The outcome of the tunnel (CONNECT, SOCKS5, transparent) this server
     connection of this client connection carries, if any."""
     state = connstate.peek(client)
     return state.tunnels.get(server.id) if state is not None and server is not None else None
@@ -414,13 +414,13 @@ def _user(policy: Policy, authorization: str | None) -> str | None:
     return quote_client(credentials[0], 64) if credentials else None
 
 
-def _inside(flow: http.HTTPFlow, tunnel: Verdict) -> None:
+def _inside(flow: http.HTTPFlow, tunnel: Outcome) -> None:
     """A request inside a tunnel is its tunnel's client: same user, same CONNECT."""
-    verdict = verdict_of(flow)
-    verdict.user, verdict.connect_id, verdict.identity = tunnel.user, tunnel.connect_id, tunnel.identity
+    outcome = outcome_of(flow)
+    outcome.user, outcome.connect_id, outcome.identity = tunnel.user, tunnel.connect_id, tunnel.identity
 
 
-def _inside_arrival(flow: http.HTTPFlow, tunnel: Verdict) -> Arrival:
+def _inside_arrival(flow: http.HTTPFlow, tunnel: Outcome) -> Arrival:
     """A request (or a CONNECT) inside an intercepted tunnel, as plain data."""
     request = flow.request
     return Arrival(
@@ -433,7 +433,7 @@ def _inside_arrival(flow: http.HTTPFlow, tunnel: Verdict) -> Arrival:
     )
 
 
-def redecide(policy: Policy, tunnel: Verdict) -> Refusal | None:
+def redecide(policy: Policy, tunnel: Outcome) -> Refusal | None:
     """After a reload, for an open tunnel or pipe: admission.readmit_tunnel
     over its plain facts. Allowed: the tunnel now belongs to the profile its
     client matches now (its requests, credentials and limits follow it).
@@ -444,7 +444,7 @@ def redecide(policy: Policy, tunnel: Verdict) -> Refusal | None:
     return outcome.refusal
 
 
-def open_tunnel(tunnel: Verdict) -> OpenTunnel:
+def open_tunnel(tunnel: Outcome) -> OpenTunnel:
     """An open tunnel's facts, as a reload re-decides them."""
     identity = tunnel.identity if isinstance(tunnel.identity, ClientIdentity) else None
     return OpenTunnel(tunnel.host, tunnel.port, tunnel.method, addresses_of(tunnel.decision), tunnel.profile, identity)

@@ -117,7 +117,7 @@ class ResolverMetrics:
 
 class Metrics:
     """The mitmproxy addon: feeds the metrics above from the audit records and
-    a few hooks. `tunnels` returns the open tunnels' verdicts (the gate's)."""
+    a few hooks. `tunnels` returns the open tunnels' outcomes (the gate's)."""
 
     def __init__(self, audit, source, tunnels: Callable[[], Any]) -> None:
         self.source = source
@@ -198,7 +198,7 @@ class Metrics:
             try:
                 proxyserver = ctx.master.addons.get("proxyserver")
                 OPEN_CONNECTIONS.set(len(proxyserver.connections) if proxyserver is not None else 0)
-                OPEN_TUNNELS.set(sum(1 for verdict in self.tunnels() if not verdict.logged))
+                OPEN_TUNNELS.set(sum(1 for outcome in self.tunnels() if not outcome.logged))
             except Exception:  # the sampler must never die
                 logger.exception("metrics sampler error")
             await asyncio.sleep(SAMPLE_SECONDS)

@@ -28,7 +28,7 @@ from mitmproxy import http
 from sluice.addons.failsafe import fail_closed
 from sluice.addons.redirects import _ends_with_headers
 from sluice.addons.refusals import REASON_HEADER, answer_now, plain_http1, refusal_in_place_of, sluice_made
-from sluice.addons.verdict import verdict_of
+from sluice.outcome import outcome_of
 from sluice.policy.reasons import Reason, Refusal
 
 PROXY_HEADERS = (REASON_HEADER, "Proxy-Authenticate")
@@ -64,15 +64,15 @@ class OriginHeaders:
         strip_proxy_headers(response.headers)
         if response.status_code != 407:
             return
-        verdict = verdict_of(flow)
-        if verdict is not None and verdict.cap is not None:
+        outcome = outcome_of(flow)
+        if outcome is not None and outcome.cap is not None:
             return  # already cut by a cap: that refusal stands
         refusal = Refusal(Reason.ORIGIN_PROXY_AUTH, f"the origin {flow.request.host} answered 407 Proxy Authentication "
                           "Required, which only a proxy may send; this proxy's own refusals say when it wants "
                           "credentials, so the origin's answer was dropped",
                           advice="The origin, not the egress policy, failed: this page cannot be fetched as it is.")
-        if verdict is not None:
-            verdict.cut(refusal)
+        if outcome is not None:
+            outcome.cut(refusal)
         if plain_http1(flow) and not _ends_with_headers(flow):
             answer_now(flow, refusal)  # written to the client now; the origin's body is never read
             return

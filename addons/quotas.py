@@ -28,7 +28,7 @@ and refused here when a limit says so. Every mode is covered:
   held while its pipe is open; over the limit it gets the 429 and no 101.
   One inside an intercepted tunnel uses that tunnel's slot.
 
-A refused request's own audit line names the limit (its verdict becomes the
+A refused request's own audit line names the limit (its outcome becomes the
 refusal, so every addon after this one sees a refused request); a SOCKS5 or
 transparent refusal and a connection closed at accept get a `connect` or
 `connection` line written here.
@@ -75,7 +75,7 @@ from sluice.addons.failsafe import fail_closed
 from sluice.addons.gate import SOCKS5_NOT_ALLOWED, EgressGate, tunnel_of
 from sluice.addons.policy_source import PolicySource
 from sluice.addons.refusals import noted, refusal_response
-from sluice.addons.verdict import Verdict, verdict_of
+from sluice.outcome import Outcome, outcome_of
 from sluice.policy import quotas
 from sluice.policy.clients import VIA_SOURCE, identify
 from sluice.policy.model import Limits
@@ -119,7 +119,7 @@ class Quotas:
         # Per client connection, in its ConnState (sluice/connstate.py): the
         # slots it holds (`quota`, released with the state on disconnect by
         # addons/conn_release.py), and `transfer_meters`, server id ->
-        # (tunnel verdict, client key, limits) for tunnels whose bytes count
+        # (tunnel outcome, client key, limits) for tunnels whose bytes count
         # against a transfer quota, metered by the dialer (sluice/dialer.py) once
         # connected, outside the caps' meter.
         gate.dialer.meter_sources.append(self._tunnel_meter)
@@ -189,43 +189,43 @@ class Quotas:
     def requestheaders(self, flow: http.HTTPFlow) -> None:
         if flow.response is not None or flow.request.method == "CONNECT":
             return
-        verdict = verdict_of(flow)
-        if verdict is None or verdict.rules is None or not verdict.decision.allowed:
+        outcome = outcome_of(flow)
+        if outcome is None or outcome.rules is None or not outcome.decision.allowed:
             return
-        limits = verdict.rules.limits
+        limits = outcome.rules.limits
         inside = tunnel_of(flow.client_conn, flow.server_conn) is not None  # its tunnel's connection was counted
         refusal = None if inside else self._admit_connection(flow.client_conn, limits)
-        key = self._client(verdict, flow.client_conn)
+        key = self._client(outcome, flow.client_conn)
         if refusal is None:
-            refusal = quotas.check_request(self.counters, limits, key, _host(verdict), self.clock())
-        if (refusal is None and not inside and verdict.rules.action != "report"
+            refusal = quotas.check_request(self.counters, limits, key, _host(outcome), self.clock())
+        if (refusal is None and not inside and outcome.rules.action != "report"
                 and _upgrade_tokens(flow.request.headers.get("upgrade", "")) == {"websocket"}):
             # Its pipe is a tunnel of its own, counted before the upgrade goes
             # upstream (so over the limit no 101 is ever sent).
             refusal = self._admit_tunnel(flow.client_conn, key, limits, flow.id)
         if refusal is not None:
-            self._refuse_flow(flow, verdict, refusal)
+            self._refuse_flow(flow, outcome, refusal)
         elif limits.bytes_per_hour is not None:
-            verdict.transfer = TransferCharge(self.counters, key, limits, self.clock, verdict.rules.action != "report")
+            outcome.transfer = TransferCharge(self.counters, key, limits, self.clock, outcome.rules.action != "report")
 
     @fail_closed()
     def http_connect(self, flow: http.HTTPFlow) -> None:
         if flow.response is not None:
             return
-        verdict = verdict_of(flow)
-        if verdict is None or verdict.rules is None or not verdict.decision.allowed:
+        outcome = outcome_of(flow)
+        if outcome is None or outcome.rules is None or not outcome.decision.allowed:
             return
-        limits = verdict.rules.limits
-        key = self._client(verdict, flow.client_conn)
+        limits = outcome.rules.limits
+        key = self._client(outcome, flow.client_conn)
         refusal = self._admit_connection(flow.client_conn, limits)
         if refusal is None:
-            refusal = quotas.check_request(self.counters, limits, key, _host(verdict), self.clock())
-        if refusal is None and verdict.rules.action != "report":
+            refusal = quotas.check_request(self.counters, limits, key, _host(outcome), self.clock())
+        if refusal is None and outcome.rules.action != "report":
             refusal = self._admit_tunnel(flow.client_conn, key, limits, flow.id)
         if refusal is not None:
-            self._refuse_flow(flow, verdict, refusal)
-        elif limits.bytes_per_hour is not None and not verdict.intercept:
-            self._meter_later(flow.client_conn, flow.server_conn, verdict, key, limits)
+            self._refuse_flow(flow, outcome, refusal)
+        elif limits.bytes_per_hour is not None and not outcome.intercept:
+            self._meter_later(flow.client_conn, flow.server_conn, outcome, key, limits)
 
     def http_connect_error(self, flow: http.HTTPFlow) -> None:
         """A CONNECT that failed (or was refused after this addon): its
@@ -237,8 +237,8 @@ class Quotas:
         if state is not None:
             state.release_connect(flow.id)
 
-    def _refuse_flow(self, flow: http.HTTPFlow, verdict: Verdict, refusal: Refusal) -> None:
-        if not verdict.refuse(refusal, report=verdict.rules is not None and verdict.rules.action == "report"):
+    def _refuse_flow(self, flow: http.HTTPFlow, outcome: Outcome, refusal: Refusal) -> None:
+        if not outcome.refuse(refusal, report=outcome.rules is not None and outcome.rules.action == "report"):
             return
         response = refusal_response(noted(flow, refusal))
         if refusal.reason is Reason.TOO_MANY_CONNECTIONS and not (flow.request.is_http2 or flow.request.is_http3):
@@ -252,14 +252,14 @@ class Quotas:
         """A request body mitmproxy read whole (it had a Content-Length) is
         charged before it goes upstream; one that does not fit is refused
         and never sent. (Streamed bodies were charged chunk by chunk.)"""
-        verdict = verdict_of(flow)
-        charge = verdict.transfer if verdict is not None else None
-        if charge is None or flow.response is not None or flow.request.stream or not verdict.decision.allowed:
+        outcome = outcome_of(flow)
+        charge = outcome.transfer if outcome is not None else None
+        if charge is None or flow.response is not None or flow.request.stream or not outcome.decision.allowed:
             return
         n = len(flow.request.raw_content or b"")
         if n and charge(n) < n:
-            verdict.transfer = None
-            self._refuse_flow(flow, verdict, charge.refusal())
+            outcome.transfer = None
+            self._refuse_flow(flow, outcome, charge.refusal())
 
     def response(self, flow: http.HTTPFlow) -> None:
         if flow.request.method != "CONNECT" and flow.response.status_code != 101:
@@ -306,8 +306,8 @@ class Quotas:
 
     # ---- tunnels' transfer -------------------------------------------------------
 
-    def _meter_later(self, client: connection.Client, server: connection.Server, verdict: Verdict, key: tuple, limits: Limits) -> None:
-        connstate.state_of(client).transfer_meters[server.id] = (verdict, key, limits)
+    def _meter_later(self, client: connection.Client, server: connection.Server, outcome: Outcome, key: tuple, limits: Limits) -> None:
+        connstate.state_of(client).transfer_meters[server.id] = (outcome, key, limits)
 
     def _tunnel_meter(self, client: connection.Client, server: connection.Server):
         """The dialer's meter for a tunnel under a transfer quota (None: not one)."""
@@ -315,21 +315,21 @@ class Quotas:
         entry = state.transfer_meters.pop(server.id, None) if state is not None else None
         if entry is None:
             return None
-        verdict, key, limits = entry
+        outcome, key, limits = entry
         meter = quotas.TransferMeter(self.counters, key, limits.bytes_per_hour)
         clock, loop = self.clock, asyncio.get_running_loop()
 
         def count(from_client: bool, n: int) -> int:
-            if verdict.cap is not None:
+            if outcome.cap is not None:
                 return 0
             granted = meter(n, clock())
             if granted < n:
                 if not from_client:
                     # The caps' meter beneath this one counted the whole chunk
                     # read from the origin; only `granted` reaches the client.
-                    verdict.bytes_from_server -= n - granted
+                    outcome.bytes_from_server -= n - granted
                 _, resets_in = self.counters.window(quotas.bytes_key(key), quotas.HOUR, clock())
-                loop.call_soon(self.caps.cut_tunnel, client, verdict, quotas.transfer_refusal(limits, resets_in, cut=True))
+                loop.call_soon(self.caps.cut_tunnel, client, outcome, quotas.transfer_refusal(limits, resets_in, cut=True))
             return granted
 
         return count
@@ -341,10 +341,10 @@ class Quotas:
 
     # ---- who -----------------------------------------------------------------
 
-    def _client(self, verdict: Verdict, client: connection.Client) -> tuple:
+    def _client(self, outcome: Outcome, client: connection.Client) -> tuple:
         state = _slots(client)
         source = state.source if state is not None else _source_group(client, self.source.current)
-        return quotas.client_key(verdict.profile, verdict.user, source)
+        return quotas.client_key(outcome.profile, outcome.user, source)
 
 
 def _slots(client: connection.Client) -> QuotaSlots | None:
@@ -353,11 +353,11 @@ def _slots(client: connection.Client) -> QuotaSlots | None:
     return state.quota if state is not None and state.quota.counters is not None else None
 
 
-def _host(verdict: Verdict) -> str:
+def _host(outcome: Outcome) -> str:
     """The host a per-host rate counts: as the gate canonicalised it
     (lowercase, no trailing dot, IP literals in canonical text)."""
-    host = verdict.decision.host
-    return str(host) if host is not None else verdict.host
+    host = outcome.decision.host
+    return str(host) if host is not None else outcome.host
 
 
 def _upgrade_tokens(value: str) -> set[str]:

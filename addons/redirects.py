@@ -43,7 +43,7 @@ from sluice.addons.failsafe import fail_closed
 from sluice.addons.policy_source import PolicySource
 from sluice.addons.refusals import RefusalBody, answer_now, plain_http1, refusal_in_place_of
 from sluice.resolver import resolve_and_decide
-from sluice.addons.verdict import verdict_of
+from sluice.outcome import outcome_of
 from sluice.policy.decide import Destination
 from sluice.policy.reasons import Reason, Refusal
 from sluice.policy.urls import resolve_redirect
@@ -58,15 +58,15 @@ class RedirectGuard:
 
     @fail_closed(response_phase=True)
     async def responseheaders(self, flow: http.HTTPFlow) -> None:
-        verdict = verdict_of(flow)
+        outcome = outcome_of(flow)
         response = flow.response
-        if verdict is None or verdict.rules is None or verdict.cap is not None or not verdict.decision.allowed:
+        if outcome is None or outcome.rules is None or outcome.cap is not None or not outcome.decision.allowed:
             return
         if not (300 <= response.status_code < 400) or "location" not in response.headers:
             return
         location = response.headers["location"]
-        host = verdict.host if ":" not in verdict.host or verdict.host.startswith("[") else f"[{verdict.host}]"
-        base = f"{flow.request.scheme}://{host}:{verdict.port}{flow.request.path}"
+        host = outcome.host if ":" not in outcome.host or outcome.host.startswith("[") else f"[{outcome.host}]"
+        base = f"{flow.request.scheme}://{host}:{outcome.port}{flow.request.path}"
         try:
             target = resolve_redirect(base, location)
         except ValueError as e:
@@ -75,7 +75,7 @@ class RedirectGuard:
         else:
             method = flow.request.method if response.status_code in METHOD_KEEPING else "GET"
             dest = Destination(target.host, target.port, target.scheme, method, target.has_credentials)
-            decision = await resolve_and_decide(verdict.rules, dest, self.source.current.resolver)
+            decision = await resolve_and_decide(outcome.rules, dest, self.source.current.resolver)
             if decision.allowed:
                 return
             refusal = Refusal(
@@ -83,12 +83,12 @@ class RedirectGuard:
                 f"the response redirects to {target.url}, which this policy refuses ({decision.refusal.reason.value}: "
                 f"{decision.refusal.detail})",
             )
-        verdict.cut(refusal)
+        outcome.cut(refusal)
         if plain_http1(flow) and not _ends_with_headers(flow):
             answer_now(flow, refusal)
             return
         flow.response = refusal_in_place_of(flow, refusal)
-        remaining = verdict.started + verdict.limits.request_timeout - time.time()
+        remaining = outcome.started + outcome.limits.request_timeout - time.time()
         self._deadlines[flow.id] = asyncio.get_running_loop().call_later(max(0.0, remaining), self._expired, flow)
 
     @fail_closed()

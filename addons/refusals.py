@@ -9,7 +9,7 @@ from mitmproxy import http
 from mitmproxy.net.http import status_codes
 
 from sluice.addons import connections
-from sluice.addons.verdict import verdict_of
+from sluice.outcome import outcome_of
 from sluice.policy.reasons import REASONS, Reason, Refusal
 
 REASON_HEADER = "Sluice-Reason"
@@ -138,8 +138,8 @@ def answer_now(f: http.HTTPFlow, refusal: Refusal) -> None:
 def noted(flow: http.HTTPFlow, refusal: Refusal) -> Refusal:
     """The refusal with the `refusal_note` of the rules the flow's client was
     matched to (a refused client's refusal already carries the top level's)."""
-    verdict = verdict_of(flow)
-    rules = verdict.rules if verdict is not None else None
+    outcome = outcome_of(flow)
+    rules = outcome.rules if outcome is not None else None
     return refusal.with_note(rules.refusal_note) if rules is not None else refusal
 
 

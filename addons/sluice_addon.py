@@ -1,7 +1,7 @@
 """Entry point for `mitmdump -s addons/sluice_addon.py --set sluice_policy=FILE`.
 
 `sluice proxy` loads the same list in-process. Order matters: the gate
-decides first, the redirect guard and caps act on its verdict, and the audit
+decides first, the redirect guard and caps act on its outcome, and the audit
 log writes last, once every cap has had its say. The origin-headers addon
 strips the proxy's own header fields from origin responses before any other
 addon reads or replaces them (addons/origin_headers.py). The credential injector

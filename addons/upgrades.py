@@ -28,7 +28,7 @@ from sluice.addons.failsafe import fail_closed
 from sluice.addons.gate import redecide
 from sluice.addons.policy_source import LivePolicy, PolicySource
 from sluice.addons.refusals import noted, refusal_response
-from sluice.addons.verdict import META, Verdict, verdict_of
+from sluice.outcome import META, Outcome, outcome_of
 from sluice.policy.reasons import Reason, Refusal
 from sluice.policy.units import size_text
 
@@ -43,7 +43,7 @@ class UpgradeGuard:
         self.source = source
         # Per client connection, in its ConnState (sluice/connstate.py):
         # `accepted_upgrades`, server connection id -> the accepted upgrade's
-        # request verdict until its TCP pipe starts; then `pipes`, its open
+        # request outcome until its TCP pipe starts; then `pipes`, its open
         # upgraded pipes, which a reload re-decides.
 
     def load(self, loader) -> None:
@@ -51,40 +51,40 @@ class UpgradeGuard:
 
     @fail_closed()
     def requestheaders(self, flow: http.HTTPFlow) -> None:
-        verdict = verdict_of(flow)
-        if verdict is None or not verdict.decision.allowed or flow.response is not None:
+        outcome = outcome_of(flow)
+        if outcome is None or not outcome.decision.allowed or flow.response is not None:
             return
         asked = _tokens(flow.request.headers.get("upgrade", ""))
         if asked and asked != {"websocket"}:
-            verdict.cut(noted(flow,
+            outcome.cut(noted(flow,
                               Refusal(Reason.UPGRADE_REFUSED,
                                       f"the request asks to upgrade to {', '.join(sorted(asked))[:80]}; only WebSocket "
                                       "upgrades may pass")))
-            flow.response = refusal_response(verdict.cap)
+            flow.response = refusal_response(outcome.cap)
 
     @fail_closed(response_phase=True)
     def responseheaders(self, flow: http.HTTPFlow) -> None:
-        verdict = verdict_of(flow)
-        if verdict is None or flow.response.status_code != 101 or verdict.cap is not None:
+        outcome = outcome_of(flow)
+        if outcome is None or flow.response.status_code != 101 or outcome.cap is not None:
             return
         websocket = (
             _tokens(flow.request.headers.get("upgrade", "")) == {"websocket"}
             and _tokens(flow.response.headers.get("upgrade", "")) == {"websocket"}
         )
-        if not websocket or not verdict.decision.allowed:
+        if not websocket or not outcome.decision.allowed:
             # Answer the client and close both sides before a byte of the
             # other protocol crosses.
             self.caps.cut(flow, Refusal(Reason.UPGRADE_REFUSED,
                                         "the origin switched protocols to something other than a requested WebSocket"))
             return
-        connstate.state_of(flow.client_conn).accepted_upgrades[flow.server_conn.id] = verdict
+        connstate.state_of(flow.client_conn).accepted_upgrades[flow.server_conn.id] = outcome
 
     def tcp_start(self, flow: tcp.TCPFlow) -> None:
         state = connstate.peek(flow.client_conn)
         upgraded = state.accepted_upgrades.pop(flow.server_conn.id, None) if state is not None else None
         if upgraded is None:
             return
-        pipe = Verdict(upgraded.host, upgraded.port, upgraded.decision, upgraded.profile, upgraded.rules,
+        pipe = Outcome(upgraded.host, upgraded.port, upgraded.decision, upgraded.profile, upgraded.rules,
                        method=upgraded.method)
         pipe.client = flow.client_conn
         pipe.user, pipe.connect_id, pipe.identity = upgraded.user, upgraded.connect_id, upgraded.identity
@@ -94,7 +94,7 @@ class UpgradeGuard:
         self.caps.watch_tunnel(flow.client_conn, pipe)
 
     def tcp_message(self, flow: tcp.TCPFlow) -> None:
-        pipe = verdict_of(flow)
+        pipe = outcome_of(flow)
         message = flow.messages[-1]
         # Never keep what passed: memory stays flat however long the pipe runs.
         flow.messages.clear()
@@ -125,7 +125,7 @@ class UpgradeGuard:
             message.content = message.content[:allowed]
             self.caps.cut_tunnel(flow.client_conn, pipe, refusal)
 
-    def open_pipes(self) -> list[Verdict]:
+    def open_pipes(self) -> list[Outcome]:
         """The pipes still open (the drain waits for them as for tunnels)."""
         return [pipe for pipe in connstate.open_pipes() if not pipe.logged and pipe.cap is None]
 

@@ -38,7 +38,8 @@ from bench.fakedns import FakeDNS
 
 TUNNEL_BYTES = 64 * 2**20
 RESULTS = Path(__file__).resolve().parent / "results"
-OWN = (str(policies.REPO / "addons") + os.sep, str(policies.REPO / "policy") + os.sep)
+OWN = (str(policies.REPO / "addons") + os.sep, str(policies.REPO / "policy") + os.sep,
+       str(policies.REPO / "sluice") + os.sep)
 
 
 def _argv(key: str, port: int, root: Path, policy: Path, out: Path, wrapper: list[str] | None,
@@ -153,16 +154,17 @@ _SITE = "site-packages" + os.sep
 
 
 def _ours(file: str, *names: str) -> bool:
-    """file is one of addons/<names>."""
-    return file.startswith(OWN[0]) and os.path.basename(file) in names
+    """file is one of addons/<names> or sluice/<names> (the core outside the addons)."""
+    return file.startswith((OWN[0], OWN[2])) and os.path.basename(file) in names
 
 
 CATEGORIES = [
-    ("Sluice: gate and policy (addons/gate.py, identity, verdict, refusals; policy/)",
-     lambda f, n: f.startswith(OWN[1]) or _ours(f, "gate.py", "identity.py", "verdict.py", "refusals.py", "failsafe.py")),
+    ("Sluice: gate and policy (addons/gate.py, identity, outcome, refusals; policy/)",
+     lambda f, n: f.startswith(OWN[1]) or _ours(f, "gate.py", "identity.py", "outcome.py", "refusals.py", "failsafe.py")),
     ("Sluice: DNS cache and resolver (sluice/resolver.py, dnspython)",
      lambda f, n: _ours(f, "resolver.py") or (_SITE + "dns" + os.sep) in f),
-    ("Sluice: caps, audit log, policy source, connections (rest of addons/)", lambda f, n: f.startswith(OWN[0])),
+    ("Sluice: caps, audit log, policy source, connections (rest of addons/ and sluice/)",
+     lambda f, n: f.startswith((OWN[0], OWN[2]))),
     ("mitmproxy: hook dispatch (addonmanager.py, hooks.py)",
      lambda f, n: f.endswith(("mitmproxy" + os.sep + "addonmanager.py", "mitmproxy" + os.sep + "hooks.py"))),
     ("mitmproxy: connection handler (proxy/server.py) and its commands/events",

@@ -384,7 +384,7 @@ class OpenTunnel:
 
 @dataclass(frozen=True, slots=True)
 class Readmission:
-    """A reload's verdict on an open tunnel: the profile it belongs to now
+    """A reload's outcome on an open tunnel: the profile it belongs to now
     (`match`, when its client was matched again), or the refusal."""
 
     refusal: Refusal | None

@@ -86,14 +86,14 @@ class ConnState:
     # the gate (addons/gate.py): (ip, port) -> the rules that approved it; the
     # dialer (sluice/dialer.py) admits nothing else
     approved: dict[tuple[str, int], Rules] = field(default_factory=dict)
-    # the gate: tunnel server connection id -> the tunnel's verdict (its real host)
+    # the gate: tunnel server connection id -> the tunnel's outcome (its real host)
     tunnels: dict[str, Any] = field(default_factory=dict)
     # the upgrade guard (addons/upgrades.py): server id -> the accepted
-    # upgrade's verdict until its pipe starts; then the open pipes
+    # upgrade's outcome until its pipe starts; then the open pipes
     accepted_upgrades: dict[str, Any] = field(default_factory=dict)
     pipes: list[Any] = field(default_factory=list)
     # the quotas (addons/quotas.py): slots held, and server id -> (tunnel
-    # verdict, client key, limits) for tunnels metered once connected
+    # outcome, client key, limits) for tunnels metered once connected
     quota: QuotaSlots = field(default_factory=QuotaSlots)
     transfer_meters: dict[str, tuple] = field(default_factory=dict)
     # deadlines: the first request head's (or SOCKS5 handshake's) from accept
@@ -116,7 +116,7 @@ class ConnState:
     released: bool = False
 
     def tunnel(self, server: connection.Server | None) -> Any:
-        """The verdict of the tunnel this server connection carries, if any."""
+        """The outcome of the tunnel this server connection carries, if any."""
         return self.tunnels.get(server.id) if server is not None else None
 
     def cancel_head_deadline(self) -> None:
@@ -176,12 +176,12 @@ def states() -> Iterator[tuple[connection.Client, ConnState]]:
 
 
 def open_tunnels() -> list[Any]:
-    """Every open tunnel's verdict, over all client connections."""
+    """Every open tunnel's outcome, over all client connections."""
     return [tunnel for _, state in states() for tunnel in state.tunnels.values()]
 
 
 def open_pipes() -> list[Any]:
-    """Every upgraded pipe's verdict, over all client connections."""
+    """Every upgraded pipe's outcome, over all client connections."""
     return [pipe for _, state in states() for pipe in state.pipes]
 
 

@@ -360,12 +360,12 @@ rules:
     assert [r.line for r in rules.for_host(parse_host("example.com"))] == [4, 5]
     assert [r.line for r in rules.for_host(parse_host("other.org"))] == [4]
     assert [r.line for r in rules.for_host(parse_host("93.184.216.34"))] == [4, 8]
-    verdict = lambda host, target: decide(text, "GET", host, target, answers=("93.184.216.34",))  # noqa: E731
-    assert verdict("api.example.com", "/b").request_rule.line == 5
-    assert verdict("api.example.com", "/c").refusal.rule == "p.yaml:6"
-    assert verdict("api.example.com", "/a").refusal.rule == "p.yaml:4"
-    assert verdict("www.example.com", "/c").request_rule.line == 7
-    assert verdict("93.184.216.34", "/ip").request_rule.line == 8
+    outcome = lambda host, target: decide(text, "GET", host, target, answers=("93.184.216.34",))  # noqa: E731
+    assert outcome("api.example.com", "/b").request_rule.line == 5
+    assert outcome("api.example.com", "/c").refusal.rule == "p.yaml:6"
+    assert outcome("api.example.com", "/a").refusal.rule == "p.yaml:4"
+    assert outcome("www.example.com", "/c").request_rule.line == 7
+    assert outcome("93.184.216.34", "/ip").request_rule.line == 8
 
 
 @settings(max_examples=300, deadline=None)

@@ -19,7 +19,7 @@ from sluice.addons.caps import Caps
 from sluice.addons.conn_release import ConnRelease
 from sluice.addons.credentials import CredentialInjector
 from sluice.addons.gate import EgressGate, tunnel_of
-from sluice.addons.verdict import verdict_of
+from sluice.outcome import outcome_of
 from sluice.policy.loader import load_policy_text
 from sluice.policy_cli import judge, parse_url
 from sluice.resolver import StaticResolver
@@ -123,8 +123,8 @@ async def _through_the_gate(proxy: _Gate, client, method: str, url: str):
 
 
 def _outcome(flow):
-    verdict = verdict_of(flow)
-    refusal = verdict.cap or verdict.decision.refusal
+    outcome = outcome_of(flow)
+    refusal = outcome.cap or outcome.decision.refusal
     if refusal is not None:
         return False, refusal.reason.value, None
     return True, None, flow.request.host  # the address the gate pinned

@@ -23,7 +23,7 @@ from sluice.addons.head_limits import HeadLimits
 from sluice.addons.quotas import Quotas
 from sluice.addons.upgrades import UpgradeGuard
 from sluice.addons.upstreams import Upstreams
-from sluice.addons.verdict import Verdict
+from sluice.outcome import Outcome
 from sluice.policy import quotas
 from sluice.policy.decide import Decision
 from sluice.policy.loader import load_policy_text
@@ -164,7 +164,7 @@ def test_state_is_per_client_connection():
         a, b = proxy.connect(1), proxy.connect(2)
         connstate.state_of(a).socks_login = ("agents", "bot")
         assert connstate.peek(b).socks_login is None
-        tunnel = Verdict("8.8.8.8", 443, Decision(True, address="8.8.8.8", port=443), None, POLICY.rules)
+        tunnel = Outcome("8.8.8.8", 443, Decision(True, address="8.8.8.8", port=443), None, POLICY.rules)
         server = tflow.tserver_conn()
         connstate.state_of(a).tunnels[server.id] = tunnel
         assert tunnel_of(a, server) is tunnel and tunnel_of(b, server) is None
@@ -186,7 +186,7 @@ def test_an_upgraded_pipe_is_held_by_its_connection_until_release():
             flow.request.headers["upgrade"] = "websocket"
             flow.response.status_code = 101
             flow.response.headers["upgrade"] = "websocket"
-            flow.metadata["sluice"] = Verdict("8.8.8.8", 80, Decision(True, address="8.8.8.8", port=80), None,
+            flow.metadata["sluice"] = Outcome("8.8.8.8", 80, Decision(True, address="8.8.8.8", port=80), None,
                                               POLICY.rules)
             proxy.upgrades.responseheaders(flow)
             assert list(connstate.peek(client).accepted_upgrades) == [flow.server_conn.id]
@@ -213,7 +213,7 @@ def test_a_connect_refusal_answers_the_next_failing_exchange_only():
             assert connstate.peek(client).connect_refusal.reason is Reason.TOO_MANY_CONNECTIONS
             first, second = (tflow.tflow(client_conn=client, err=True) for _ in range(2))
             for flow in (first, second):
-                flow.metadata["sluice"] = Verdict("8.8.8.8", 80, Decision(True, address="8.8.8.8", port=80), None,
+                flow.metadata["sluice"] = Outcome("8.8.8.8", 80, Decision(True, address="8.8.8.8", port=80), None,
                                                   POLICY.rules)
                 proxy.caps.error(flow)
             assert first.metadata["sluice"].cap.reason is Reason.TOO_MANY_CONNECTIONS

@@ -6,7 +6,7 @@ import asyncio
 from mitmproxy.test import tflow
 
 from sluice.addons.failsafe import fail_closed
-from sluice.addons.verdict import verdict_of
+from sluice.outcome import outcome_of
 
 
 class Broken:
@@ -24,7 +24,7 @@ def test_an_exception_in_a_check_refuses_with_internal_error():
     asyncio.run(Broken().requestheaders(flow))
     assert flow.response is not None and flow.response.status_code == 500
     assert flow.response.headers["Sluice-Reason"] == "internal_error"
-    assert verdict_of(flow).decision.refusal.reason == "internal_error"
+    assert outcome_of(flow).decision.refusal.reason == "internal_error"
 
 
 def test_sync_hooks_fail_closed_too():

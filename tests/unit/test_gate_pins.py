@@ -13,7 +13,7 @@ from sluice import admission, dialer
 from sluice.addons import gate
 from sluice.addons.gate import EgressGate, open_tunnel
 from sluice.dialer import pinned_ip as _canonical_ip
-from sluice.addons.verdict import Verdict
+from sluice.outcome import Outcome
 from sluice.admission import live_rules as _live_rules
 from sluice.policy.decide import Decision
 from sluice.policy.loader import load_policy_text
@@ -125,20 +125,20 @@ def test_an_approved_peer_passes_the_connected_check():
     assert writer.peername[0] == "::ffff:8.8.8.8" and closed == [] and audit.lines == []
 
 
-def _tunnel(host: str, port: int, address: str, profile=None) -> Verdict:
-    return Verdict(host, port, Decision(True, address=address, addresses=(address,)), profile, None)
+def _tunnel(host: str, port: int, address: str, profile=None) -> Outcome:
+    return Outcome(host, port, Decision(True, address=address, addresses=(address,)), profile, None)
 
 
 def policy(text: str):
     return load_policy_text(text, "p.yaml")
 
 
-def still_allowed(policy, tunnel: Verdict):
+def still_allowed(policy, tunnel: Outcome):
     """The reload check on an open tunnel, over the facts the gate keeps of it."""
     return admission.still_allowed(policy, open_tunnel(tunnel))
 
 
-def _fronting(tunnel: Verdict, host_header, sni, authority):
+def _fronting(tunnel: Outcome, host_header, sni, authority):
     return admission.fronting(tunnel.host, host_header, sni, authority)
 
 

@@ -522,14 +522,14 @@ def test_caps_audits_an_h2_stream_reset_as_response_too_large():
     from mitmproxy.test import tflow
 
     from sluice.addons.caps import Caps
-    from sluice.addons.verdict import META, Verdict
+    from sluice.outcome import META, Outcome
     from sluice.policy.decide import Decision
     from sluice.policy.reasons import Reason
 
     flow = tflow.tflow()
-    verdict = Verdict("a.example", 443, Decision(True, address="192.0.2.7"), None, None)
-    flow.metadata[META] = verdict
+    outcome = Outcome("a.example", 443, Decision(True, address="192.0.2.7"), None, None)
+    flow.metadata[META] = outcome
     Caps(source=None, audit=None).h2_stream_reset(flow, 300_000, 64 * 1024)
-    assert verdict.cap.reason is Reason.RESPONSE_TOO_LARGE
-    assert "300000 bytes" in verdict.cap.detail and "64 KiB limits.h2_stream_buffer_bytes" in verdict.cap.detail
-    assert verdict.cap.message.endswith("the request may be retried.")
+    assert outcome.cap.reason is Reason.RESPONSE_TOO_LARGE
+    assert "300000 bytes" in outcome.cap.detail and "64 KiB limits.h2_stream_buffer_bytes" in outcome.cap.detail
+    assert outcome.cap.message.endswith("the request may be retried.")

@@ -1,4 +1,4 @@
-"""One exchange outcome (addons/verdict.py): which refusal wins, what the
+"""One exchange outcome (addons/outcome.py): which refusal wins, what the
 client is answered and what the audit line says, for every order of the
 ways addons change it, as plain data. The expectation is written as the
 precedence the docstring states (by which operations happened), not as the
@@ -12,7 +12,7 @@ import re
 
 import pytest
 
-from sluice.addons.verdict import Verdict
+from sluice.outcome import Outcome
 from sluice.policy.decide import Decision
 from sluice.policy.reasons import Reason, Refusal
 
@@ -60,25 +60,25 @@ SEQUENCES = [ops for n in range(4) for ops in itertools.permutations(OPERATIONS,
 def test_every_order_of_refusals_caps_and_answers_follows_one_precedence(refused, started):
     assert len(SEQUENCES) == 1 + 7 + 42 + 210
     for ops in SEQUENCES:
-        verdict = Verdict("a.example", 443, Decision(not refused, None, GATE if refused else None, port=443), None,
+        outcome = Outcome("a.example", 443, Decision(not refused, None, GATE if refused else None, port=443), None,
                           None)
-        verdict.response_started = started
+        outcome.response_started = started
         for op in ops:
-            OPERATIONS[op](verdict)
+            OPERATIONS[op](outcome)
         for response_status in (200, None):
-            got = (verdict.refusal, verdict.answer, verdict.decision.would_refuse, verdict.status(response_status))
+            got = (outcome.refusal, outcome.answer, outcome.decision.would_refuse, outcome.status(response_status))
             assert got == _expected(refused, ops, started, response_status), ops
-        assert verdict.decision.allowed is (verdict.decision.refusal is None), ops
+        assert outcome.decision.allowed is (outcome.decision.refusal is None), ops
 
 
 def test_the_methods_say_whether_they_took():
-    verdict = Verdict("a.example", 80, Decision(True, None, None, port=80), None, None)
-    assert verdict.cut(CAP1) is True and verdict.cut(CAP2) is False and verdict.cap is CAP1
-    assert verdict.refuse(REPORTED, report=True) is False and verdict.decision.allowed
-    assert verdict.refuse(QUOTA) is True and verdict.refuse(GATE) is False and verdict.decision.refusal is QUOTA
-    verdict.answered(MITM, None)  # answered by the flow's response, sent after the hook
-    assert verdict.status(403) == 403 and verdict.refusal is MITM and verdict.cap is None
-    assert verdict.cut(CAP2) is False and verdict.refuse(QUOTA) is False
+    outcome = Outcome("a.example", 80, Decision(True, None, None, port=80), None, None)
+    assert outcome.cut(CAP1) is True and outcome.cut(CAP2) is False and outcome.cap is CAP1
+    assert outcome.refuse(REPORTED, report=True) is False and outcome.decision.allowed
+    assert outcome.refuse(QUOTA) is True and outcome.refuse(GATE) is False and outcome.decision.refusal is QUOTA
+    outcome.answered(MITM, None)  # answered by the flow's response, sent after the hook
+    assert outcome.status(403) == 403 and outcome.refusal is MITM and outcome.cap is None
+    assert outcome.cut(CAP2) is False and outcome.refuse(QUOTA) is False
 
 
 ADDONS = pathlib.Path(__file__).resolve().parents[2] / "addons"
@@ -87,6 +87,6 @@ WRITES = re.compile(r"\.(cap|decision|wire_status|mitmproxy_answered)\s*=(?!=)")
 
 def test_no_addon_writes_the_outcome_but_through_its_methods():
     offenders = [f"{path.name}:{n}: {line.strip()}"
-                 for path in sorted(ADDONS.glob("*.py")) if path.name != "verdict.py"
+                 for path in sorted(ADDONS.glob("*.py")) if path.name != "outcome.py"
                  for n, line in enumerate(path.read_text().splitlines(), 1) if WRITES.search(line)]
     assert offenders == []

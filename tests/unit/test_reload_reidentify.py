@@ -5,7 +5,7 @@ user it proved to be, or its source address, against the new profiles."""
 from __future__ import annotations
 
 from sluice.addons.gate import redecide
-from sluice.addons.verdict import Verdict
+from sluice.outcome import Outcome
 from sluice.policy.clients import identity_of, rematch
 from sluice.policy.decide import Decision
 from sluice.policy.loader import hash_password, load_policy_text
@@ -49,7 +49,7 @@ def test_a_source_is_matched_again_by_address():
 
 def test_redecide_moves_a_tunnel_or_refuses_it():
     before = policy("holders")
-    tunnel = Verdict("8.8.8.8", 8443, Decision(True, address="8.8.8.8", addresses=("8.8.8.8",)), "holders", None)
+    tunnel = Outcome("8.8.8.8", 8443, Decision(True, address="8.8.8.8", addresses=("8.8.8.8",)), "holders", None)
     tunnel.identity = identity_of(before, "127.0.0.1", "alice")
     # holders has port 443 only: had the tunnel stayed there, 8443 would be refused; in plain it is allowed.
     assert redecide(policy("plain"), tunnel) is None and tunnel.profile == "plain" and 8443 in tunnel.rules.ports

@@ -10,7 +10,7 @@ from mitmproxy.test import tflow
 
 from sluice import connstate
 from sluice.addons.gate import EgressGate
-from sluice.addons.verdict import Verdict
+from sluice.outcome import Outcome
 from sluice.policy.decide import Decision
 from sluice.policy.model import Limits, Rules
 
@@ -36,7 +36,7 @@ def test_an_open_tunnels_approval_is_never_dropped():
     gate, client = _gate(), tflow.tclient_conn()
     rules = Rules(limits=Limits(max_upstreams_per_connection=1))
     gate._approve(client, "1.1.1.1", 443, rules)
-    tunnel = Verdict("1.1.1.1", 443, Decision(True, address="1.1.1.1", port=443), None, rules)
+    tunnel = Outcome("1.1.1.1", 443, Decision(True, address="1.1.1.1", port=443), None, rules)
     gate._remember_tunnel(client, SimpleNamespace(id="s1"), tunnel)
     for i in range(1, 6):
         gate._approve(client, f"8.8.4.{i}", 80, rules)

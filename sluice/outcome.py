@@ -55,7 +55,7 @@ ADMISSION_META = "sluice.admission"
 
 
 @dataclass(slots=True)
-class Verdict:
+class Outcome:
     host: str  # the host as the client named it
     port: int
     decision: Decision
@@ -156,5 +156,5 @@ class Verdict:
         return response_status
 
 
-def verdict_of(f: mflow.Flow) -> Verdict | None:
+def outcome_of(f: mflow.Flow) -> Outcome | None:
     return f.metadata.get(META)
