@@ -21,6 +21,11 @@ def _handler(client_id: str):
     return proxyserver.connections.get(client_id) if proxyserver else None
 
 
+def handler_of(client: connection.Client):
+    """The client connection's mitmproxy ConnectionHandler (None: gone)."""
+    return _handler(client.id)
+
+
 def write_to_client(client: connection.Client, data: bytes) -> bool:
     """Send bytes straight to the client socket (an HTTP/1 response that
     replaces whatever mitmproxy would have sent). False if it is gone."""

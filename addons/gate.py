@@ -63,6 +63,7 @@ from sluice.admission import (
     tunnel_client,
 )
 from sluice.dialer import Dialer, pinned_ip
+from sluice.splice import SplicedTunnel
 from sluice.policy.clients import ClientIdentity
 from sluice.policy.decide import Decision
 from sluice.policy.model import Policy, Rules
@@ -361,9 +362,11 @@ class EgressGate:
         if isinstance(nextlayer.layer, layers.TCPLayer) and nextlayer.layer.flow is None:
             return  # already our raw, unhooked tunnel
         del stack[cut:]
-        # ignore=True: no TCP flow and no per-chunk hooks (mitmproxy's tunnel
-        # speed); Caps meters the bytes at the server socket instead.
-        nextlayer.layer = layers.TCPLayer(context, ignore=True)
+        # No TCP flow and no per-chunk hooks (mitmproxy's tunnel speed); the
+        # dialer's meters count the bytes at the server socket instead. A
+        # tunnel the gate decided is spliced socket to socket once connected
+        # (sluice/splice.py), below mitmproxy's per-chunk event machinery.
+        nextlayer.layer = SplicedTunnel(context) if tunnel is not None else layers.TCPLayer(context, ignore=True)
 
     def _tunnel_meter(self, client: connection.Client, server: connection.Server):
         """The dialer's meter for a passed-through tunnel's server socket: its caps."""

@@ -857,6 +857,23 @@ def fast_dispatch(manager) -> None:
         setattr(manager, name, invalidating(getattr(manager, name)))
 
 
+# sluice/splice.py moves a passed-through tunnel's bytes below mitmproxy: it
+# takes each connection's streams from `ConnectionHandler.transports` once
+# the TCP layer has started relaying (its `start`, whose end means both sides
+# are connected), swaps the asyncio transports' protocols, hands EOF and
+# connection loss to the stream protocol mitmproxy installed (so its
+# `handle_connection` sees them as before) and feeds the idle watchdog.
+RELIED_ON["tunnel_splice"] = (
+    "mitmproxy.proxy.layers.tcp:TCPLayer.start",
+    "mitmproxy.proxy.layers.tcp:TCPLayer.relay_messages",
+    "mitmproxy.proxy.server:ConnectionHandler.handle_connection",
+    "mitmproxy.proxy.server:ConnectionHandler.open_connection",
+    "mitmproxy.proxy.server:TimeoutWatchdog.register_activity",
+)
+# (It also reads asyncio's StreamReader buffer, `_buffer`: stdlib, not pinned
+# here; tests/unit/test_splice.py fails if that changes.)
+
+
 RELIED_ON["fast_dispatch"] = (
     "mitmproxy.addonmanager:AddonManager.trigger_event",
     "mitmproxy.addonmanager:AddonManager.invoke_addon",

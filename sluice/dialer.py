@@ -227,3 +227,14 @@ class MeteredWriter:
 
 def _short(text: str, limit: int = 80) -> str:
     return text if len(text) <= limit else text[:limit] + "…"
+
+
+def unwrap_stream(stream: Any) -> tuple[Any, list[Meter]]:
+    """The stream under a metered one and its meters, in the order they
+    apply (a plain stream: itself, no meters). For sluice/splice.py, which
+    meters a spliced tunnel's bytes with the same meters."""
+    if isinstance(stream, MeteredReader):
+        return stream._reader, stream._meters
+    if isinstance(stream, MeteredWriter):
+        return stream._writer, stream._meters
+    return stream, []

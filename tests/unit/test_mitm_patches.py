@@ -80,6 +80,9 @@ RECORDED = {
     "mitmproxy.proxy.layers.http:HttpStream.handle_connect_regular": "ae920a52067801dc",
     "mitmproxy.net.http.http1.read:_read_request_line": "f212df4b4badf61b",
     "mitmproxy.addons.proxyserver:Proxyserver.server_connect": "1fc787ebda12ea02",
+    "mitmproxy.proxy.layers.tcp:TCPLayer.start": "b1418418362ceaa7",
+    "mitmproxy.proxy.layers.tcp:TCPLayer.relay_messages": "3b3d49a9f63b7d40",
+    "mitmproxy.proxy.server:TimeoutWatchdog.register_activity": "41e033f7debf79d3",
 }
 
 
