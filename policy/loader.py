@@ -9,6 +9,7 @@ only `load_policy_file` touches the file system (and `password_file` entries).
 
 from __future__ import annotations
 
+import base64
 import difflib
 import enum
 import hashlib
@@ -18,6 +19,7 @@ import re
 import stat
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
+from urllib.parse import urlsplit
 from typing import Any, Literal
 from collections.abc import Callable, Mapping
 
@@ -39,6 +41,7 @@ from sluice.policy.model import (
     Limits,
     Policy,
     Rules,
+    UpstreamProxy,
 )
 
 MAX_POLICY_BYTES = 4 * 1024 * 1024
@@ -65,7 +68,7 @@ class PolicyInvalid(Exception):
 # Keys a profile may override, and the top level may set.
 RULE_KEYS = ("action", "allow", "deny", "ports", "methods", "private_networks", "limits", "intercept",
              "strip_request_headers",
-             "refusal_note", "credentials", "rules")
+             "refusal_note", "credentials", "rules", "upstream_proxy")
 TOP_KEYS = ("version",) + RULE_KEYS + ("dns", "clients", "require_client", "proxy_addresses")
 PROFILE_KEYS = ("name", "users", "sources") + RULE_KEYS
 DNS_KEYS = tuple(f.name for f in fields(DnsSettings))
@@ -73,6 +76,7 @@ LIMIT_KEYS = tuple(f.name for f in fields(Limits))
 USER_KEYS = ("password_hash", "password_file")
 CREDENTIAL_KEYS = ("hosts", "set_headers", "allow_plain_http")
 CREDENTIAL_VALUE_KEYS = ("file", "env", "format")
+UPSTREAM_PROXY_KEYS = ("url", "credentials")
 REQUEST_RULE_ACTIONS = ("allow", "deny")
 REQUEST_RULE_KEYS = ("hosts", "methods", "paths", "query")
 SIZE_LIMITS = {"max_response_bytes", "max_request_bytes", "tunnel_max_bytes", "max_header_bytes", "bytes_per_hour",
@@ -96,6 +100,7 @@ _SIZE_UNITS = {"b": 1, "kb": 10**3, "kib": 2**10, "mb": 10**6, "mib": 2**20, "gb
                "tib": 2**40}
 _DURATION_UNITS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, None: 1}
 _METHOD = re.compile(r"^[A-Z][A-Z-]{0,31}$")
+_DNS_NAME = re.compile(r"[a-z0-9_]([a-z0-9_-]{0,61}[a-z0-9_])?(\.[a-z0-9_]([a-z0-9_-]{0,61}[a-z0-9_])?)*\.?")
 _HEADER = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")
 
 # Messages quote text from the file only as a short escaped snippet: the path
@@ -414,6 +419,57 @@ class _Reader:
                 out.add(value.lower())
         return frozenset(out)
 
+    def upstream_proxy(self, node: yaml.Node, base: UpstreamProxy | None) -> UpstreamProxy | None:
+        """`upstream_proxy: {url: http://HOST:PORT, credentials: {file: PATH}}`:
+        the parent proxy the dialer CONNECTs through; null: direct (a profile
+        clearing the top level's)."""
+        if isinstance(node, yaml.ScalarNode):
+            if self.scalar(node) is None:
+                return None
+            self.problem(node, "upstream_proxy must be a mapping: {url: http://HOST:PORT} (with credentials: "
+                               "{file: PATH} if the parent asks for them), or null for direct connections")
+            return base
+        keys = self.mapping(node, UPSTREAM_PROXY_KEYS, "upstream_proxy")
+        if not keys:
+            if isinstance(node, yaml.MappingNode):
+                self.problem(node, "upstream_proxy needs url: http://HOST:PORT (or null for direct connections)")
+            return base
+        if "url" not in keys:
+            self.problem(node, "upstream_proxy needs url: http://HOST:PORT, the parent proxy's address")
+            return base
+        url_node = keys["url"][1]
+        url = self.scalar(url_node)
+        try:
+            if not isinstance(url, str):
+                raise ValueError("must be text such as 'http://corp-proxy:3128'")
+            host, port = parse_upstream_proxy_url(url)
+        except ValueError as e:
+            # Never quoted: a URL with user:password@ would put the secret in the message.
+            self.problem(url_node, f"upstream_proxy.url {e}")
+            return base
+        authorization, source = None, None
+        if "credentials" in keys:
+            cred_node = keys["credentials"][1]
+            if not isinstance(cred_node, yaml.MappingNode):
+                # Never quote it: it may be the secret itself.
+                self.problem(cred_node, "upstream_proxy.credentials is written inline; secrets never go in the "
+                                        "policy: write {file: PATH} or {env: NAME} holding user:password")
+                return base
+            header = self.credential_value("Proxy-Authorization", cred_node, "upstream_proxy.credentials")
+            if header is None:
+                return base
+            authorization, source = header.value, header.source
+            if header.format is None and header.value.known:
+                # No format: the value is user:password, sent as Basic auth.
+                pair = header.value.reveal()
+                if ":" not in pair:
+                    self.problem(cred_node, f"upstream_proxy.credentials: the {header.source} must hold user:password "
+                                            "(or give format: \"Bearer {}\" to send its text as the whole "
+                                            "Proxy-Authorization value)")
+                    return base
+                authorization = creds.Secret("Basic " + base64.b64encode(pair.encode("utf-8")).decode("ascii"))
+        return UpstreamProxy(host, port, url, authorization, source, self.origin(node))
+
     def note(self, node: yaml.Node, base: str | None) -> str | None:
         """refusal_note: one line of text appended to refusals; null clears an inherited one."""
         value = self.scalar(node)
@@ -518,33 +574,37 @@ class _Reader:
                 out.append(header)
         return tuple(out)
 
-    def credential_value(self, name: str, node: yaml.Node) -> creds.CredentialHeader | None:
-        spec = self.mapping(node, CREDENTIAL_VALUE_KEYS, f"the value of header {_q(name)}")
+    def credential_value(self, name: str, node: yaml.Node, what: str | None = None) -> creds.CredentialHeader | None:
+        """A {file: PATH} or {env: NAME} value (with an optional format); `what`
+        starts its problems (default: the set_headers entry `name`)."""
+        spec = self.mapping(node, CREDENTIAL_VALUE_KEYS,
+                            f"the value of {what}" if what else f"the value of header {_q(name)}")
+        what = what or f"set_headers: {_q(name)}"
         sources = [k for k in ("file", "env") if k in spec]
         if len(sources) != 1:
-            self.problem(node, f"set_headers: {_q(name)} needs exactly one of file: PATH or env: NAME")
+            self.problem(node, f"{what} needs exactly one of file: PATH or env: NAME")
             return None
         kind = sources[0]
         where = spec[kind][1]
         text = self.scalar(where)
         if not isinstance(text, str) or not text:
-            self.problem(where, f"set_headers: {_q(name)}: {kind} must be a non-empty string")
+            self.problem(where, f"{what}: {kind} must be a non-empty string")
             return None
         fmt = None
         if "format" in spec:
             fmt = self.scalar(spec["format"][1])
             if not isinstance(fmt, str) or fmt.count(creds.FORMAT_SLOT) != 1:
-                self.problem(spec["format"][1], f"set_headers: {_q(name)}: format must be text with exactly one {{}} "
+                self.problem(spec["format"][1], f"{what}: format must be text with exactly one {{}} "
                                                 "where the secret goes, e.g. \"Bearer {}\"")
                 return None
             if creds.value_problem(fmt.replace(creds.FORMAT_SLOT, "x")):
-                self.problem(spec["format"][1], f"set_headers: {_q(name)}: format must be one line of text")
+                self.problem(spec["format"][1], f"{what}: format must be one line of text")
                 return None
         path = None
         if kind == "file":
             path = text if os.path.isabs(text) else os.path.join(os.path.dirname(os.path.abspath(self.file)), text)
             source = f"file {text}"
-            raw = self._credential_file(name, text, where)
+            raw = self._credential_file(what, text, where)
             if raw is _NOT_READ:
                 return None
         else:
@@ -552,7 +612,7 @@ class _Reader:
             if self.environ is None:
                 raw = None
             elif text not in self.environ:
-                self.problem(where, f"set_headers: {_q(name)}: the environment variable {_q(text)} is not set")
+                self.problem(where, f"{what}: the environment variable {_q(text)} is not set")
                 return None
             else:
                 raw = self.environ[text]
@@ -560,23 +620,23 @@ class _Reader:
             return creds.CredentialHeader(name, source, creds.Secret(None), path, fmt)
         wrong = creds.value_problem(raw)
         if wrong:
-            self.problem(where, f"set_headers: {_q(name)}: the {'file' if kind == 'file' else 'variable'} "
+            self.problem(where, f"{what}: the {'file' if kind == 'file' else 'variable'} "
                                 f"{_q(text)} {wrong}")
             return None
         return creds.CredentialHeader(name, source, creds.Secret(creds.format_value(raw, fmt)), path, fmt)
 
-    def _credential_file(self, name: str, text: str, where: yaml.Node) -> str | None | Literal[_Unread.NOT_READ]:
+    def _credential_file(self, what: str, text: str, where: yaml.Node) -> str | None | Literal[_Unread.NOT_READ]:
         """The file's text (None when files are not read), or _NOT_READ after a problem."""
         if self.read_secret is None:
             return None
         try:
             return self.read_secret(text)
         except OSError as e:
-            self.problem(where, f"set_headers: {_q(name)}: cannot read {_q(text)} ({e.strerror or e})")
+            self.problem(where, f"{what}: cannot read {_q(text)} ({e.strerror or e})")
         except FileRefused as e:
-            self.problem(where, f"set_headers: {_q(name)}: cannot read {_q(text)}: {e}")
+            self.problem(where, f"{what}: cannot read {_q(text)}: {e}")
         except UnicodeDecodeError:
-            self.problem(where, f"set_headers: {_q(name)}: {_q(text)} is not UTF-8 text")
+            self.problem(where, f"{what}: {_q(text)} is not UTF-8 text")
         return _NOT_READ
 
     def credentials_intercepted(self, top: Rules, clients: tuple[ClientProfile, ...], require_client: bool) -> None:
@@ -795,6 +855,8 @@ class _Reader:
                 changes[key] = creds.merge(self.credentials(value_node, top_level), base.credentials)
             elif key == "rules":
                 changes["request_rules"] = self.request_rules(value_node)
+            elif key == "upstream_proxy":
+                changes[key] = self.upstream_proxy(value_node, base.upstream_proxy)
         rules = replace(base, **changes)
         self._shadowed(rules, keys)
         self._never_match(rules, keys, top_level)
@@ -1076,6 +1138,41 @@ def _opens_any(opened: AddressSet, cidr: str) -> bool:
         if first <= net.last and net.first <= last:
             return True
     return False
+
+
+def parse_upstream_proxy_url(text: str) -> tuple[str, int]:
+    """`http://HOST:PORT` -> (host, port): host a name or a canonical IP.
+    ValueError says what is wrong (for `upstream_proxy.url`)."""
+    if any(c.isspace() or ord(c) < 0x20 for c in text):
+        raise ValueError("contains spaces or control characters")
+    try:
+        parts = urlsplit(text)
+        port = parts.port
+    except ValueError:
+        raise ValueError("is not a URL such as 'http://corp-proxy:3128'") from None
+    scheme = parts.scheme.lower()
+    if scheme in ("https", "socks5", "socks5h", "socks4"):
+        raise ValueError(f"is a {scheme}:// parent; Sluice speaks only plain http:// to a parent proxy (CONNECT, "
+                         "so https stays end to end): write http://HOST:PORT")
+    if scheme != "http" or not parts.hostname:
+        raise ValueError("must be http://HOST:PORT, e.g. 'http://corp-proxy:3128'")
+    if parts.username is not None or parts.password is not None:
+        raise ValueError("carries credentials; they never go in the policy: give upstream_proxy.credentials as "
+                         "{file: PATH} or {env: NAME} holding user:password")
+    if parts.path not in ("", "/") or parts.query or parts.fragment:
+        raise ValueError("must be only http://HOST:PORT (no path, query or fragment)")
+    if port is None:
+        raise ValueError("has no port: write the parent's port, e.g. 'http://corp-proxy:3128'")
+    if not 0 < port < 65536:
+        raise ValueError("has a port outside 1-65535")
+    host = parts.hostname
+    try:
+        return canonical_ip(host), port
+    except ValueError:
+        pass
+    if len(host) > 253 or not _DNS_NAME.fullmatch(host):
+        raise ValueError("has a host that is neither an IP address nor a DNS name")
+    return host.rstrip("."), port
 
 
 def _split_cidr_port(text: str) -> tuple[str, str | None]:

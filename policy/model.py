@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from sluice.policy.credentials import Credential
+from sluice.policy.credentials import Credential, Secret
 from sluice.policy.matchers import AddressSet, HostMatcher
 from sluice.policy.request_rules import RuleSet
 
@@ -77,6 +77,21 @@ class Limits:
 
 
 @dataclass(frozen=True, slots=True)
+class UpstreamProxy:
+    """A parent proxy (`upstream_proxy`) the dialer reaches origins through
+    (sluice/dialer.py): `CONNECT <pinned IP>:<port>`, never a name."""
+
+    host: str  # a name (resolved by the system resolver when dialled) or an IP literal
+    port: int
+    url: str  # as written (it never holds credentials: the loader refuses them)
+    # The Proxy-Authorization value sent with each CONNECT, and where it comes
+    # from for people ("file /run/secrets/parent"); None: no credentials.
+    authorization: Secret | None = None
+    credential_source: str | None = None
+    origin: str = ""  # file:line of the `upstream_proxy` key
+
+
+@dataclass(frozen=True, slots=True)
 class Rules:
     """What one client profile (or the top level) may do."""
 
@@ -98,6 +113,8 @@ class Rules:
     # Request rules (`rules:`, policy.request_rules), first match wins; a
     # profile's list replaces the top level's.
     request_rules: RuleSet = field(default_factory=RuleSet)
+    # A parent proxy every dial of these rules goes through; None: direct.
+    upstream_proxy: UpstreamProxy | None = None
 
 
 @dataclass(frozen=True, slots=True)

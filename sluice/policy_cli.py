@@ -192,6 +192,11 @@ def _rules_lines(rules: Rules, indent: str) -> list[str]:
             sources = ", ".join(f"{h.name} ({h.source})" for h in entry.headers)
             clear = "; also over plain http" if entry.allow_plain_http else ""
             out.append(f"{indent}sets credentials {sources} on {', '.join(entry.hosts_text)} ({entry.origin}{clear})")
+    if rules.upstream_proxy is not None:
+        parent = rules.upstream_proxy
+        auth = f", credentials from {parent.credential_source}" if parent.credential_source else ", no credentials"
+        out.append(f"{indent}through the parent proxy {parent.url} (CONNECT to each pinned IP, never a name{auth}; "
+                   f"{parent.origin})")
     out.append(f"{indent}{_limits_line(rules.limits)}")
     out.append(f"{indent}{_quotas_line(rules.limits)}")
     if rules.refusal_note:
