@@ -30,6 +30,7 @@ from sluice.policy.units import size_text
 
 NO_BODY_STATUSES = frozenset({204, 304})
 CONNECT_TIMEOUT_PREFIX = f"{Reason.CONNECT_TIMEOUT.value}: "  # how the dialer's timeout reads in server.error
+UPSTREAM_PROXY_PREFIX = f"{Reason.UPSTREAM_PROXY_FAILED.value}: "  # and its parent proxy's failures
 
 
 class Caps:
@@ -73,6 +74,10 @@ class Caps:
             # The dialer (sluice/dialer.py) gave up within limits.connect_timeout.
             connstate.state_of(data.client).connect_refusal = Refusal(
                 Reason.CONNECT_TIMEOUT, error[len(CONNECT_TIMEOUT_PREFIX):])
+        elif error.startswith(UPSTREAM_PROXY_PREFIX):
+            # The dialer's parent proxy (upstream_proxy) was down, slow or refused the CONNECT.
+            connstate.state_of(data.client).connect_refusal = Refusal(
+                Reason.UPSTREAM_PROXY_FAILED, error[len(UPSTREAM_PROXY_PREFIX):])
         elif OUT_OF_FILES_DIAL in error:
             # No fd for the dial (addons/open_files.py reported it): answered
             # like a connect timeout, as a refusal the client can act on.

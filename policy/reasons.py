@@ -51,6 +51,7 @@ class Reason(StrEnum):
     CREDENTIAL_PLAIN_HTTP = "credential_plain_http"
     ORIGIN_PROXY_AUTH = "origin_proxy_auth"
     RULE_DENIED = "rule_denied"
+    UPSTREAM_PROXY_FAILED = "upstream_proxy_failed"
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,6 +149,10 @@ REASONS: dict[Reason, ReasonInfo] = {
                                          "the origin answered 407 Proxy Authentication Required, which only the proxy "
                                          "may send (an origin could pose as Sluice asking for a password); Sluice "
                                          "answers 502 instead"),
+    Reason.UPSTREAM_PROXY_FAILED: ReasonInfo(502,
+                                             "the parent proxy (`upstream_proxy`) refused the CONNECT (its status "
+                                             "line is quoted), or was down, unreachable or did not answer within "
+                                             "`limits.connect_timeout`"),
 }
 
 # Sent with every refusal so an agent knows this is deliberate and final
@@ -179,11 +184,17 @@ SCHEME_ADVICE = (
 SHUTDOWN_ADVICE = (
     "The proxy is shutting down, not refusing by policy: retrying shortly is reasonable."
 )
+# upstream_proxy_failed: the parent proxy failed, not Sluice's policy.
+UPSTREAM_PROXY_ADVICE = (
+    "The parent proxy this network goes through failed, not Sluice's policy: retrying later may help; if it keeps "
+    "failing, ask the operator (the parent may refuse CONNECT to this port, or want other credentials)."
+)
 # What to do after a refusal whose cause is not the policy (the default is POLICY_SUFFIX).
 REASON_ADVICE: dict[Reason, str] = {
     Reason.BAD_REQUEST: BAD_REQUEST_ADVICE,
     Reason.SCHEME_NOT_ALLOWED: SCHEME_ADVICE,
     Reason.SHUTDOWN: SHUTDOWN_ADVICE,
+    Reason.UPSTREAM_PROXY_FAILED: UPSTREAM_PROXY_ADVICE,
 }
 # The longest operator sentence (the policy's `refusal_note`) a refusal carries.
 MAX_NOTE_CHARS = 300

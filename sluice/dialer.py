@@ -23,6 +23,15 @@ handler's dials only, to `Dialer.dial`. It runs, in this order:
    socket (the tunnel byte cap, the transfer quota): the streams returned are
    wrapped once, with every meter that applies.
 
+With a parent proxy (the approving rules' `upstream_proxy`), step 4 connects
+to the parent instead, the peer check (5) checks the parent's address (it may
+be private: it is accepted only for dials routed through it), and then
+`connect_through_parent` sends `CONNECT <pinned IP>:<port>` (never a name)
+and reads the parent's reply, bounded. Whatever goes over the tunnel after
+that (TLS, an origin-form HTTP request with its Host, SOCKS5 and transparent
+tunnels' bytes) is mitmproxy's as on a direct connection. Any failure of the
+parent, down, refusing, slow, is `upstream_proxy_failed` with its status line.
+
 A refusal raises an OSError subclass whose text is `reason: sentence`;
 mitmproxy reports it as a failed connect (`server_connect_error`, then the
 flow's `error`), and addons/caps.py turns the timeout and the busy cases into
@@ -33,6 +42,8 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import re
+import socket
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
@@ -40,7 +51,7 @@ from sluice.addons import open_files
 from sluice.addons.audit import peer
 from sluice.addons.own_host import OWN_HOST
 from sluice.policy.decide import canonical_ip
-from sluice.policy.model import Rules
+from sluice.policy.model import Rules, UpstreamProxy
 from sluice.policy.reasons import Reason
 
 OUT_OF_FILES_DIAL = "the proxy is out of file descriptors and could not open a connection to the origin"
@@ -59,6 +70,18 @@ class DialRefused(OSError):
 
 class ConnectTimedOut(DialRefused):
     """The origin did not accept within the connect timeout."""
+
+
+class UpstreamProxyFailed(DialRefused):
+    """The parent proxy was down, slow, or did not answer the CONNECT with 2xx."""
+
+    def __init__(self, detail: str) -> None:
+        super().__init__(f"{Reason.UPSTREAM_PROXY_FAILED.value}: {detail}")
+
+
+class ParentReplyRefused(Exception):
+    """connect_through_parent: the parent's reply was not a 2xx (or not HTTP);
+    the text describes it, sanitised and bounded."""
 
 
 class OutOfFilesDial(OSError):
@@ -146,32 +169,95 @@ class Dialer:
                 raise DialRefused(why)
         loop = asyncio.get_running_loop()
         seconds = rules.limits.connect_timeout
-        left = seconds - (loop.time() - started) if started is not None else seconds
-        try:
-            if left <= 0:
-                raise TimeoutError
-            reader, writer = await asyncio.wait_for(connect(host, port, *args, **kwargs), left)
-        except TimeoutError:
-            raise ConnectTimedOut(f"{Reason.CONNECT_TIMEOUT.value}: {host} did not accept a connection "
-                                  f"within {seconds:g}s") from None
-        except OSError as e:
-            if not open_files.is_out_of_files(e):
-                raise
-            open_files.report("dialling an origin", e)
-            raise OutOfFilesDial(e.errno, OUT_OF_FILES_DIAL) from None
-        peername = writer.get_extra_info("peername")
-        if not self.peer_pinned(client, (host, port), peername):
-            transport = getattr(writer, "transport", None)
-            if transport is not None:
-                transport.abort()  # not one byte to that peer
-            else:
-                writer.close()
-            loop.call_soon(self.close_client, client)
-            raise DialRefused(f"{Reason.PIN_MISMATCH.value}: the upstream connection's peer {peername} "
-                              "was never approved for this client connection")
+        deadline = (started if started is not None else loop.time()) + seconds
+        if rules.upstream_proxy is not None:
+            reader, writer = await self.dial_through_parent(client, rules.upstream_proxy, host, port, connect, args,
+                                                            kwargs, deadline, seconds)
+        else:
+            try:
+                left = deadline - loop.time()
+                if left <= 0:
+                    raise TimeoutError
+                reader, writer = await asyncio.wait_for(connect(host, port, *args, **kwargs), left)
+            except TimeoutError:
+                raise ConnectTimedOut(f"{Reason.CONNECT_TIMEOUT.value}: {host} did not accept a connection "
+                                      f"within {seconds:g}s") from None
+            except OSError as e:
+                raise _out_of_files_or(e) from None
+            self._check_peer(client, writer, (host, port))
         meters = self.meter_for(client, server) if server is not None else []
         if meters:
             return MeteredReader(reader, meters), MeteredWriter(writer, meters[::-1])
+        return reader, writer
+
+    def _check_peer(self, client: Any, writer: Any, address: tuple[str, int]) -> None:
+        """The connected socket's peer is `address`, else it is aborted (not
+        one byte to that peer), the client connection closed, and the dial
+        refused `pin_mismatch`."""
+        peername = writer.get_extra_info("peername")
+        if self.peer_pinned(client, address, peername):
+            return
+        _abort(writer)
+        asyncio.get_running_loop().call_soon(self.close_client, client)
+        raise DialRefused(f"{Reason.PIN_MISMATCH.value}: the upstream connection's peer {peername} "
+                          "was never approved for this client connection")
+
+    async def dial_through_parent(self, client: Any, parent: UpstreamProxy, ip: str, port: int, connect: Connect,
+                                  args: tuple[Any, ...], kwargs: dict[str, Any], deadline: float,
+                                  seconds: float) -> tuple[Any, Any]:
+        """Connect to the parent proxy (its name, if it has one, resolved by
+        the system resolver: the parent is the operator's, like the DNS
+        servers), check the socket's peer is the parent's address, and open
+        `CONNECT ip:port` through it, all before `deadline`."""
+        loop = asyncio.get_running_loop()
+        where = f"the parent proxy {parent.url}"
+
+        def left() -> float:
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                raise TimeoutError
+            return remaining
+
+        try:
+            if pinned_ip(parent.host) is not None:
+                addresses = [parent.host]
+            else:
+                try:
+                    infos = await asyncio.wait_for(
+                        loop.getaddrinfo(parent.host, parent.port, type=socket.SOCK_STREAM), left())
+                except socket.gaierror as e:
+                    raise UpstreamProxyFailed(f"{where}: its name does not resolve ({e.strerror or e})") from None
+                addresses = list(dict.fromkeys(str(info[4][0]) for info in infos))
+            failure: OSError | None = None
+            for address in addresses:
+                try:
+                    reader, writer = await asyncio.wait_for(connect(address, parent.port, *args, **kwargs), left())
+                    break
+                except TimeoutError:
+                    raise
+                except OSError as e:
+                    if open_files.is_out_of_files(e):
+                        raise _out_of_files_or(e) from None
+                    failure = e
+            else:
+                why = (failure.strerror or str(failure)) if failure is not None else "no address"
+                raise UpstreamProxyFailed(f"{where} is down or unreachable ({why})")
+        except TimeoutError:
+            raise UpstreamProxyFailed(f"{where} did not accept a connection within {seconds:g}s") from None
+        self._check_peer(client, writer, (address, parent.port))
+        authorization = parent.authorization.reveal() if parent.authorization is not None else None
+        target = _authority(ip, port)
+        try:
+            await asyncio.wait_for(connect_through_parent(reader, writer, ip, port, authorization), left())
+        except BaseException as e:
+            _abort(writer)
+            if isinstance(e, TimeoutError):
+                raise UpstreamProxyFailed(f"{where} did not answer CONNECT {target} within {seconds:g}s") from None
+            if isinstance(e, ParentReplyRefused):
+                raise UpstreamProxyFailed(f"{where} {e} to CONNECT {target}") from None
+            if isinstance(e, (OSError, EOFError)):
+                raise UpstreamProxyFailed(f"{where} closed the connection before answering CONNECT {target}") from None
+            raise
         return reader, writer
 
     def _refused(self, client: Any, host: str, port: int, reason: Reason, detail: str) -> None:
@@ -223,6 +309,86 @@ class MeteredWriter:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._writer, name)
+
+
+# The parent's reply to CONNECT: a status line and header fields, read line
+# by line (never past the blank line: what follows is the tunnel's) and
+# bounded in bytes and lines, so a hostile parent's endless header costs at
+# most this (plus the stream reader's own line limit) before it is refused.
+MAX_PARENT_REPLY_BYTES = 16 * 1024
+MAX_PARENT_REPLY_LINES = 100
+MAX_STATUS_CHARS = 120
+_STATUS_LINE = re.compile(rb"HTTP/1\.[01] ([0-9]{3})(?: [^\r\n]*)?\r?\n")
+
+
+async def connect_through_parent(reader: Any, writer: Any, ip: str, port: int, authorization: str | None) -> None:
+    """Send `CONNECT ip:port` (with Proxy-Authorization when given) and read
+    the parent's reply head. Returns on a 2xx; raises ParentReplyRefused
+    (saying what the parent answered) otherwise, EOFError or OSError if the
+    connection ends first."""
+    target = _authority(ip, port)
+    head = f"CONNECT {target} HTTP/1.1\r\nHost: {target}\r\n"
+    if authorization is not None:
+        head += f"Proxy-Authorization: {authorization}\r\n"
+    writer.write((head + "\r\n").encode("latin-1"))
+    await writer.drain()
+    status: bytes | None = None
+    seen = lines = 0
+    while True:
+        try:
+            line = await reader.readuntil(b"\n")
+        except asyncio.LimitOverrunError:
+            raise ParentReplyRefused(f"answered a line longer than {MAX_PARENT_REPLY_BYTES} bytes") from None
+        except asyncio.IncompleteReadError as e:
+            if status is None and e.partial:
+                raise ParentReplyRefused(f"answered {_status_text(e.partial)!r} and closed the connection") from None
+            raise EOFError from None
+        seen += len(line)
+        lines += 1
+        if seen > MAX_PARENT_REPLY_BYTES or lines > MAX_PARENT_REPLY_LINES:
+            what = f"status {_status_text(status)!r} with a" if status is not None else "a"
+            raise ParentReplyRefused(f"answered {what} reply head over {MAX_PARENT_REPLY_BYTES} bytes or "
+                                     f"{MAX_PARENT_REPLY_LINES} lines")
+        if status is None:
+            status = line
+            if not _STATUS_LINE.fullmatch(line):
+                raise ParentReplyRefused(f"answered something that is not an HTTP/1 status line: "
+                                         f"{_status_text(line)!r}")
+            continue
+        if line in (b"\r\n", b"\n"):
+            break
+    code = int(status[9:12])
+    if not 200 <= code < 300:
+        hint = " (wrong or missing upstream_proxy.credentials)" if code == 407 else ""
+        raise ParentReplyRefused(f"answered {_status_text(status)!r}{hint}")
+
+
+def _status_text(line: bytes) -> str:
+    """A line from the parent as it may be quoted in a message: printable
+    ASCII only, at most MAX_STATUS_CHARS."""
+    text = "".join(c if " " <= c <= "~" else "?" for c in line.decode("latin-1").rstrip("\r\n"))
+    return text if len(text) <= MAX_STATUS_CHARS else text[:MAX_STATUS_CHARS] + "…"
+
+
+def _authority(ip: str, port: int) -> str:
+    return f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
+
+
+def _abort(writer: Any) -> None:
+    transport = getattr(writer, "transport", None)
+    if transport is not None:
+        transport.abort()
+    else:
+        writer.close()
+
+
+def _out_of_files_or(e: OSError) -> OSError:
+    """The error a failed connect raises: OutOfFilesDial (reported once) when
+    the process is out of file descriptors, else the error itself."""
+    if not open_files.is_out_of_files(e):
+        return e
+    open_files.report("dialling an origin", e)
+    return OutOfFilesDial(e.errno, OUT_OF_FILES_DIAL)
 
 
 def _short(text: str, limit: int = 80) -> str:
