@@ -103,7 +103,7 @@ class TransferCharge:
         return granted if self.enforce else n
 
     def refusal(self) -> Refusal:
-        _, resets_in = self.counters.window(quotas.bytes_key(self.key), quotas.HOUR, self.clock())
+        _, resets_in = self.counters.spent(quotas.bytes_key(self.key), quotas.HOUR, self.clock())
         return quotas.transfer_refusal(self.limits, resets_in, cut=True)
 
 
@@ -126,15 +126,15 @@ class Quotas:
 
     # ---- connections ---------------------------------------------------------
 
-    def client_connected(self, client: connection.Client) -> None:
+    async def client_connected(self, client: connection.Client) -> None:
         live = self.source.current
         state = connstate.state_of(client).quota
         state.counters, state.source = self.counters, _source_group(client, live)
         limit, derived = _total_limit(live)
-        why = quotas.admit_total(self.counters, limit)
+        why = await quotas.admit_total(self.counters, limit)
         if why is None:
             state.total = True
-            why = self._accept(client, state, live, limit)
+            why = await self._accept(client, state, live, limit)
             if why is None:
                 return
         elif derived:
@@ -143,35 +143,37 @@ class Quotas:
                          reason=Reason.TOO_MANY_CONNECTIONS.value, detail=why)
         client.error = f"{Reason.TOO_MANY_CONNECTIONS.value}: {why}"  # mitmproxy closes it before reading
 
-    def _accept(self, client: connection.Client, state: QuotaSlots, live, total: int) -> str | None:
+    async def _accept(self, client: connection.Client, state: QuotaSlots, live, total: int) -> str | None:
         """A connection admitted under max_total_connections: it takes a slot
         of its source's share (closed now if the share is full), and counts
         against its source's max_connections from now on, with the value of
         the top level or of the profile its source address matches (a user
         profile's own value is checked at its first request). One over
         max_connections stays open only to have its first request refused."""
-        why = quotas.admit_source_share(self.counters, total, state.source)
+        why = await quotas.admit_source_share(self.counters, total, state.source)
         if why is not None:
             return why
         state.shared = True
-        if live is not None and quotas.admit_connection(self.counters, _accept_limits(live, client), state.source) is None:
+        if live is not None and await quotas.admit_connection(self.counters, _accept_limits(live, client),
+                                                              state.source) is None:
             state.admitted = True
         return None
 
-    def _admit_connection(self, client: connection.Client, limits: Limits) -> Refusal | None:
+    async def _admit_connection(self, client: connection.Client, limits: Limits) -> Refusal | None:
         state = _slots(client)
         if state is None or state.identified:
             return None
         state.identified = True  # its first request (or dial): checked once
         if state.admitted:  # counted at accept; a user profile may set a lower max_connections
-            return quotas.over_connections(self.counters, limits, state.source)
-        refusal = quotas.admit_connection(self.counters, limits, state.source)
+            return await quotas.over_connections(self.counters, limits, state.source)
+        refusal = await quotas.admit_connection(self.counters, limits, state.source)
         if refusal is None:
             state.admitted = True
         return refusal
 
-    def _admit_tunnel(self, client: connection.Client, key: tuple, limits: Limits, connect_id: str | None = None) -> Refusal | None:
-        refusal = quotas.admit_tunnel(self.counters, limits, key)
+    async def _admit_tunnel(self, client: connection.Client, key: tuple, limits: Limits,
+                            connect_id: str | None = None) -> Refusal | None:
+        refusal = await quotas.admit_tunnel(self.counters, limits, key)
         if refusal is None:
             tunnel = quotas.tunnel_key(key)
             state = _slots(client)
@@ -186,7 +188,7 @@ class Quotas:
     # ---- HTTP requests and CONNECT ---------------------------------------------
 
     @fail_closed()
-    def requestheaders(self, flow: http.HTTPFlow) -> None:
+    async def requestheaders(self, flow: http.HTTPFlow) -> None:
         if flow.response is not None or flow.request.method == "CONNECT":
             return
         outcome = outcome_of(flow)
@@ -194,22 +196,22 @@ class Quotas:
             return
         limits = outcome.rules.limits
         inside = tunnel_of(flow.client_conn, flow.server_conn) is not None  # its tunnel's connection was counted
-        refusal = None if inside else self._admit_connection(flow.client_conn, limits)
+        refusal = None if inside else await self._admit_connection(flow.client_conn, limits)
         key = self._client(outcome, flow.client_conn)
         if refusal is None:
-            refusal = quotas.check_request(self.counters, limits, key, _host(outcome), self.clock())
+            refusal = await quotas.check_request(self.counters, limits, key, _host(outcome), self.clock())
         if (refusal is None and not inside and outcome.rules.action != "report"
                 and _upgrade_tokens(flow.request.headers.get("upgrade", "")) == {"websocket"}):
             # Its pipe is a tunnel of its own, counted before the upgrade goes
             # upstream (so over the limit no 101 is ever sent).
-            refusal = self._admit_tunnel(flow.client_conn, key, limits, flow.id)
+            refusal = await self._admit_tunnel(flow.client_conn, key, limits, flow.id)
         if refusal is not None:
             self._refuse_flow(flow, outcome, refusal)
         elif limits.bytes_per_hour is not None:
             outcome.transfer = TransferCharge(self.counters, key, limits, self.clock, outcome.rules.action != "report")
 
     @fail_closed()
-    def http_connect(self, flow: http.HTTPFlow) -> None:
+    async def http_connect(self, flow: http.HTTPFlow) -> None:
         if flow.response is not None:
             return
         outcome = outcome_of(flow)
@@ -217,11 +219,11 @@ class Quotas:
             return
         limits = outcome.rules.limits
         key = self._client(outcome, flow.client_conn)
-        refusal = self._admit_connection(flow.client_conn, limits)
+        refusal = await self._admit_connection(flow.client_conn, limits)
         if refusal is None:
-            refusal = quotas.check_request(self.counters, limits, key, _host(outcome), self.clock())
+            refusal = await quotas.check_request(self.counters, limits, key, _host(outcome), self.clock())
         if refusal is None and outcome.rules.action != "report":
-            refusal = self._admit_tunnel(flow.client_conn, key, limits, flow.id)
+            refusal = await self._admit_tunnel(flow.client_conn, key, limits, flow.id)
         if refusal is not None:
             self._refuse_flow(flow, outcome, refusal)
         elif limits.bytes_per_hour is not None and not outcome.intercept:
@@ -272,7 +274,7 @@ class Quotas:
     # ---- SOCKS5 and transparent: decided at the dial ------------------------------
 
     @fail_closed()
-    def server_connect(self, data: ServerConnectionHookData) -> None:
+    async def server_connect(self, data: ServerConnectionHookData) -> None:
         server = data.server
         if server.error or server.address is None:
             return
@@ -281,11 +283,11 @@ class Quotas:
             return  # not a SOCKS5 or transparent tunnel the gate just allowed
         limits = tunnel.rules.limits
         key = self._client(tunnel, data.client)
-        refusal = self._admit_connection(data.client, limits)
+        refusal = await self._admit_connection(data.client, limits)
         if refusal is None:
-            refusal = quotas.check_request(self.counters, limits, key, _host(tunnel), self.clock())
+            refusal = await quotas.check_request(self.counters, limits, key, _host(tunnel), self.clock())
         if refusal is None and tunnel.rules.action != "report":
-            refusal = self._admit_tunnel(data.client, key, limits)
+            refusal = await self._admit_tunnel(data.client, key, limits)
         if refusal is None:
             if limits.bytes_per_hour is not None and not tunnel.intercept:
                 self._meter_later(data.client, server, tunnel, key, limits)
@@ -328,7 +330,7 @@ class Quotas:
                     # The caps' meter beneath this one counted the whole chunk
                     # read from the origin; only `granted` reaches the client.
                     outcome.bytes_from_server -= n - granted
-                _, resets_in = self.counters.window(quotas.bytes_key(key), quotas.HOUR, clock())
+                _, resets_in = self.counters.spent(quotas.bytes_key(key), quotas.HOUR, clock())
                 loop.call_soon(self.caps.cut_tunnel, client, outcome, quotas.transfer_refusal(limits, resets_in, cut=True))
             return granted
 

@@ -19,8 +19,9 @@ an IPv6 address by its network of `limits.ipv6_client_prefix` bits (default
 rotate addresses past every limit). Login throttling counts the same way.
 
 The counters sit behind the `Counters` protocol, so a store shared by
-processes or replicas could replace `MemoryCounters` without touching the
-addon or the gate. `MemoryCounters` keeps memory bounded: a key is dropped
+processes or replicas replaces `MemoryCounters` without touching the
+addon or the gate. The refusals are pure functions of the limits and what
+the counters answered; only the counting awaits. `MemoryCounters` keeps memory bounded: a key is dropped
 once it carries no information (a bucket that has refilled, a window that
 ended, a count back at zero), swept at most every SWEEP_SECONDS; past
 MAX_KEYS buckets or windows the oldest are forgotten (forgetting only ever
@@ -50,10 +51,21 @@ TOTAL_KEY = ("total",)
 
 
 class Counters(Protocol):
-    """What quotas count with. Every method is one atomic step, so a shared
-    store can implement it as one round trip."""
+    """What quotas count with: the one interface of every counter store.
 
-    def take(self, key: Hashable, rate: float, burst: float, now: float) -> float:
+    A step that decides something (`take`, `acquire`, `count`, `window`)
+    is awaited, one atomic step each, so a store shared by processes
+    (sluice/state_store.py) can make it one round trip. `spend` and
+    `release` never wait: bytes are charged as they pass, in callbacks
+    that cannot await (a store charges them against its own view and
+    settles with the shared window in batches), and a release needs no
+    answer (a store sends it in the background). `spent` is that view,
+    for the message of a transfer cut.
+
+    `now` is this process's monotonic clock; a shared store may measure
+    its buckets and windows on its own clock instead."""
+
+    async def take(self, key: Hashable, rate: float, burst: float, now: float) -> float:
         """Token bucket `key` (holds up to `burst`, refills `rate` a second,
         starts full): take one token and return 0.0, or take nothing and
         return the seconds until one is there."""
@@ -63,17 +75,20 @@ class Counters(Protocol):
         `amount` without passing `limit` (None: no limit); return how much
         was added."""
 
-    def window(self, key: Hashable, period: float, now: float) -> tuple[int, float]:
+    def spent(self, key: Hashable, period: float, now: float) -> tuple[int, float]:
+        """`window` as this process last knew it, without waiting."""
+
+    async def window(self, key: Hashable, period: float, now: float) -> tuple[int, float]:
         """(used in the current window, seconds until it resets)."""
 
-    def acquire(self, key: Hashable, limit: int | None) -> bool:
+    async def acquire(self, key: Hashable, limit: int | None) -> bool:
         """Count one more concurrent holder of `key` if fewer than `limit`
         (None: no limit) hold it; False, counting nothing, otherwise."""
 
     def release(self, key: Hashable) -> None:
         """One holder of `key` fewer."""
 
-    def count(self, key: Hashable) -> int:
+    async def count(self, key: Hashable) -> int:
         """How many hold `key`."""
 
 
@@ -92,7 +107,7 @@ class MemoryCounters:
     def __len__(self) -> int:
         return len(self._buckets) + len(self._windows) + len(self._counts)
 
-    def take(self, key: Hashable, rate: float, burst: float, now: float) -> float:
+    async def take(self, key: Hashable, rate: float, burst: float, now: float) -> float:
         self._maybe_sweep(now)
         state = self._buckets.get(key)
         if state is None:
@@ -118,13 +133,16 @@ class MemoryCounters:
         state[0] += granted
         return granted
 
-    def window(self, key: Hashable, period: float, now: float) -> tuple[int, float]:
+    async def window(self, key: Hashable, period: float, now: float) -> tuple[int, float]:
+        return self.spent(key, period, now)
+
+    def spent(self, key: Hashable, period: float, now: float) -> tuple[int, float]:
         state = self._windows.get(key)
         if state is None or now >= state[1] + state[2]:
             return 0, period
         return int(state[0]), state[1] + state[2] - now
 
-    def acquire(self, key: Hashable, limit: int | None) -> bool:
+    async def acquire(self, key: Hashable, limit: int | None) -> bool:
         held = self._counts.get(key, 0)
         if limit is not None and held >= limit:
             return False
@@ -138,7 +156,7 @@ class MemoryCounters:
         else:
             self._counts.pop(key, None)
 
-    def count(self, key: Hashable) -> int:
+    async def count(self, key: Hashable) -> int:
         return self._counts.get(key, 0)
 
     # ---- bounded memory ----------------------------------------------------
@@ -225,61 +243,82 @@ def transfer_refusal(limits: Limits, resets_in: float, *, cut: bool = False) -> 
                    f"{what} of {size_text(limits.bytes_per_hour)}; it resets in {_when(retry)}", retry_after=retry)
 
 
-def check_request(counters: Counters, limits: Limits, client: QuotaKey, host: str, now: float) -> Refusal | None:
-    """A new request (an HTTP request, a CONNECT, a SOCKS5 or transparent
-    connection): the transfer quota, the request rate and the per-host rate,
-    in that order. A request that passes has taken its tokens."""
-    if limits.bytes_per_hour is not None:
-        used, resets_in = counters.window(bytes_key(client), HOUR, now)
-        if used >= limits.bytes_per_hour:
-            return transfer_refusal(limits, resets_in)
-    rate = limits.requests_per_second
-    if rate is not None:
-        burst = limits.rate_burst
-        wait = counters.take(("rate",) + client, rate, burst, now)
-        if wait > 0:
-            return Refusal(Reason.RATE_LIMITED,
-                           f"this agent is over its rate limit of {rate:g} requests a second (bursts of {burst}); slow "
-                           "down",
-                           retry_after=_seconds(wait))
-    per_host = limits.max_requests_per_host_per_minute
-    if per_host is not None:
-        wait = counters.take(("host", host.lower()) + client, per_host / MINUTE, per_host, now)
-        if wait > 0:
-            return Refusal(Reason.HOST_RATE_LIMITED,
-                           f"this agent is over its limit of {per_host} requests a minute to {host}; "
-                           "other hosts are not affected", retry_after=_seconds(wait))
-    return None
+def rate_refusal(limits: Limits, wait: float) -> Refusal:
+    """Over `requests_per_second`/`burst`: `wait` seconds until a token."""
+    return Refusal(Reason.RATE_LIMITED,
+                   f"this agent is over its rate limit of {limits.requests_per_second:g} requests a second (bursts "
+                   f"of {limits.rate_burst}); slow down",
+                   retry_after=_seconds(wait))
 
 
-def admit_connection(counters: Counters, limits: Limits, source: str | None) -> Refusal | None:
-    """Count a client connection against its source address's
-    `max_connections` (from accept, or from its first request if it was
-    over the limit at accept, until it closes)."""
-    if counters.acquire(connection_key(source), limits.max_connections):
-        return None
-    return Refusal(Reason.TOO_MANY_CONNECTIONS,
-                   f"{source or 'this address'} already has {limits.max_connections} connections open through the "
-                   "proxy, this policy's max_connections for it",
-                   advice="Reuse an open connection (keep-alive) or close one, then retry.")
+def host_rate_refusal(limits: Limits, host: str, wait: float) -> Refusal:
+    """Over `max_requests_per_host_per_minute` to `host`."""
+    return Refusal(Reason.HOST_RATE_LIMITED,
+                   f"this agent is over its limit of {limits.max_requests_per_host_per_minute} requests a minute to "
+                   f"{host}; other hosts are not affected", retry_after=_seconds(wait))
 
 
-def admit_tunnel(counters: Counters, limits: Limits, client: QuotaKey) -> Refusal | None:
-    """Count an open tunnel against the client's `max_tunnels`."""
-    if counters.acquire(tunnel_key(client), limits.max_tunnels):
-        return None
+def tunnels_refusal(limits: Limits) -> Refusal:
     return Refusal(Reason.TOO_MANY_TUNNELS,
                    f"this agent already has {limits.max_tunnels} tunnels open, this policy's max_tunnels",
                    advice="Close a tunnel (or let a download finish) before opening another, then retry.")
 
 
-def admit_total(counters: Counters, limit: int | None) -> str | None:
-    """Count a newly accepted client connection against
-    `max_total_connections`; None if it may stay, else why not."""
-    if counters.acquire(TOTAL_KEY, limit):
-        return None
+def total_refusal(limit: int | None) -> str:
     return (f"the proxy already has {limit} client connections open, its max_total_connections; "
             "this connection was closed when it was accepted")
+
+
+def source_share_refusal(total: int, share: int, source: str | None) -> str:
+    return (f"{source or 'this address'} already holds {share} of the proxy's {total} client connections "
+            f"(max_total_connections less {total - share} kept for other sources); "
+            "this connection was closed when it was accepted")
+
+
+async def check_request(counters: Counters, limits: Limits, client: QuotaKey, host: str,
+                        now: float) -> Refusal | None:
+    """A new request (an HTTP request, a CONNECT, a SOCKS5 or transparent
+    connection): the transfer quota, the request rate and the per-host rate,
+    in that order. A request that passes has taken its tokens."""
+    if limits.bytes_per_hour is not None:
+        used, resets_in = await counters.window(bytes_key(client), HOUR, now)
+        if used >= limits.bytes_per_hour:
+            return transfer_refusal(limits, resets_in)
+    rate = limits.requests_per_second
+    if rate is not None:
+        wait = await counters.take(("rate",) + client, rate, limits.rate_burst, now)
+        if wait > 0:
+            return rate_refusal(limits, wait)
+    per_host = limits.max_requests_per_host_per_minute
+    if per_host is not None:
+        wait = await counters.take(("host", host.lower()) + client, per_host / MINUTE, per_host, now)
+        if wait > 0:
+            return host_rate_refusal(limits, host, wait)
+    return None
+
+
+async def admit_connection(counters: Counters, limits: Limits, source: str | None) -> Refusal | None:
+    """Count a client connection against its source address's
+    `max_connections` (from accept, or from its first request if it was
+    over the limit at accept, until it closes)."""
+    if await counters.acquire(connection_key(source), limits.max_connections):
+        return None
+    return _too_many_connections(limits, source)
+
+
+async def admit_tunnel(counters: Counters, limits: Limits, client: QuotaKey) -> Refusal | None:
+    """Count an open tunnel against the client's `max_tunnels`."""
+    if await counters.acquire(tunnel_key(client), limits.max_tunnels):
+        return None
+    return tunnels_refusal(limits)
+
+
+async def admit_total(counters: Counters, limit: int | None) -> str | None:
+    """Count a newly accepted client connection against
+    `max_total_connections`; None if it may stay, else why not."""
+    if await counters.acquire(TOTAL_KEY, limit):
+        return None
+    return total_refusal(limit)
 
 
 @dataclass(slots=True)
@@ -322,24 +361,22 @@ def source_slots_key(source: str | None) -> QuotaKey:
     return ("open", source)
 
 
-def admit_source_share(counters: Counters, total: int, source: str | None) -> str | None:
+async def admit_source_share(counters: Counters, total: int, source: str | None) -> str | None:
     """Count a newly accepted connection against its source's share of
     `max_total_connections` (all of it but `source_reserve`); None if it may
     stay, else why not."""
     share = total - source_reserve(total)
-    if counters.acquire(source_slots_key(source), share):
+    if await counters.acquire(source_slots_key(source), share):
         return None
-    return (f"{source or 'this address'} already holds {share} of the proxy's {total} client connections "
-            f"(max_total_connections less {total - share} kept for other sources); "
-            "this connection was closed when it was accepted")
+    return source_share_refusal(total, share, source)
 
 
-def over_connections(counters: Counters, limits: Limits, source: str | None) -> Refusal | None:
+async def over_connections(counters: Counters, limits: Limits, source: str | None) -> Refusal | None:
     """A connection already counted (at accept) against its source's
     `max_connections` meets the limit of the profile its first request
     identified (a user profile may set its own): refused if its source has
     more open than that."""
-    if limits.max_connections is None or counters.count(connection_key(source)) <= limits.max_connections:
+    if limits.max_connections is None or await counters.count(connection_key(source)) <= limits.max_connections:
         return None
     return _too_many_connections(limits, source)
 

@@ -53,11 +53,11 @@ class _Proxy:
         self.drain = Drain(self.caps)
         self.release = ConnRelease(self.audit)
 
-    def connect(self, n: int = 0):
+    async def connect(self, n: int = 0):
         client = tflow.tclient_conn()
         client.peername = (f"192.0.2.{n % 250 + 1}", 40000 + n)
         client.proxy_mode = mode_specs.ProxyMode.parse("regular")
-        self.quotas.client_connected(client)
+        await self.quotas.client_connected(client)
         self.head_limits.client_connected(client)
         return client
 
@@ -78,10 +78,10 @@ def test_every_piece_of_a_connections_state_is_released_once_on_disconnect():
 
     async def run():
         with taddons.context(proxy.gate, proxy.quotas):
-            client = proxy.connect()
+            client = await proxy.connect()
             flow = _connect_flow(client)
             await proxy.gate.http_connect(flow)  # approves, pins, remembers the tunnel, starts its time cap
-            proxy.quotas.http_connect(flow)  # takes a connection and a tunnel slot
+            await proxy.quotas.http_connect(flow)  # takes a connection and a tunnel slot
             assert flow.response is None and tunnel_of(client, flow.server_conn) is not None
             assert proxy.upstreams.before_dial(client, flow.server_conn) is None
             request = tflow.tflow(client_conn=client)
@@ -112,11 +112,11 @@ def test_many_connections_opened_and_closed_leave_no_state():
     async def run():
         with taddons.context(proxy.gate, proxy.quotas):
             for i in range(300):
-                client = proxy.connect(i)
+                client = await proxy.connect(i)
                 if i % 3 == 0:
                     flow = _connect_flow(client)
                     await proxy.gate.http_connect(flow)
-                    proxy.quotas.http_connect(flow)
+                    await proxy.quotas.http_connect(flow)
                 else:
                     flow = tflow.tflow(client_conn=client)
                     proxy.drain.requestheaders(flow)
@@ -138,16 +138,16 @@ def test_a_failed_connects_tunnel_slot_is_given_back_at_once():
 
     async def run():
         with taddons.context(proxy.gate, proxy.quotas):
-            client = proxy.connect()
+            client = await proxy.connect()
             flows = [_connect_flow(client) for _ in range(4)]
             for flow in flows:
                 await proxy.gate.http_connect(flow)
-                proxy.quotas.http_connect(flow)
+                await proxy.quotas.http_connect(flow)
             tunnel = quotas.tunnel_key(quotas.client_key(None, None, "192.0.2.1"))
             assert proxy.counters._counts[tunnel] == 4
             over = _connect_flow(client)
             await proxy.gate.http_connect(over)
-            proxy.quotas.http_connect(over)
+            await proxy.quotas.http_connect(over)
             assert over.response.status_code == 429  # max_tunnels: 4
             proxy.quotas.http_connect_error(flows[0])
             assert proxy.counters._counts[tunnel] == 3
@@ -161,7 +161,7 @@ def test_state_is_per_client_connection():
     proxy = _Proxy()
 
     async def run():
-        a, b = proxy.connect(1), proxy.connect(2)
+        a, b = await proxy.connect(1), await proxy.connect(2)
         connstate.state_of(a).socks_login = ("agents", "bot")
         assert connstate.peek(b).socks_login is None
         tunnel = Outcome("8.8.8.8", 443, Decision(True, address="8.8.8.8", port=443), None, POLICY.rules)
@@ -181,7 +181,7 @@ def test_an_upgraded_pipe_is_held_by_its_connection_until_release():
 
     async def run():
         with taddons.context(proxy.upgrades, proxy.caps):
-            client = proxy.connect()
+            client = await proxy.connect()
             flow = tflow.tflow(client_conn=client, resp=True)
             flow.request.headers["upgrade"] = "websocket"
             flow.response.status_code = 101
@@ -206,7 +206,7 @@ def test_a_connect_refusal_answers_the_next_failing_exchange_only():
 
     async def run():
         with taddons.context(proxy.caps):
-            client = proxy.connect()
+            client = await proxy.connect()
             server = tflow.tserver_conn()
             server.error = f"[{server.address[0]}] {UPSTREAMS_BUSY}: it holds 2 upstream connections"
             proxy.caps.server_connect_error(ServerConnectionHookData(server=server, client=client))

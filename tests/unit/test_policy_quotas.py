@@ -13,6 +13,7 @@ from sluice.policy.loader import PolicyInvalid, load_policy_text
 from sluice.policy.model import Limits
 from sluice.policy.quotas import MemoryCounters, check_request, client_key
 from sluice.policy.reasons import Reason
+from harness.settle import settled
 
 ALICE = client_key("agents", "alice", "10.0.0.5")
 BOB = client_key("agents", "bob", "10.0.0.5")
@@ -27,29 +28,29 @@ def test_a_client_is_its_user_once_known_else_its_address():
 def test_bucket_allows_the_burst_then_refuses_with_the_honest_wait():
     c = MemoryCounters()
     for _ in range(3):
-        assert c.take("k", 2.0, 3, now=100.0) == 0.0
-    wait = c.take("k", 2.0, 3, now=100.0)
+        assert settled(c.take("k", 2.0, 3, now=100.0)) == 0.0
+    wait = settled(c.take("k", 2.0, 3, now=100.0))
     assert wait == pytest.approx(0.5)
-    assert c.take("k", 2.0, 3, now=100.0 + wait - 0.01) > 0  # not yet
-    assert c.take("k", 2.0, 3, now=100.0 + wait) == 0.0  # exactly the wait it gave
-    assert c.take("k", 2.0, 3, now=100.0 + wait) > 0
+    assert settled(c.take("k", 2.0, 3, now=100.0 + wait - 0.01)) > 0  # not yet
+    assert settled(c.take("k", 2.0, 3, now=100.0 + wait)) == 0.0  # exactly the wait it gave
+    assert settled(c.take("k", 2.0, 3, now=100.0 + wait)) > 0
 
 
 def test_bucket_refills_to_its_size_and_no_further():
     c = MemoryCounters()
-    c.take("k", 1.0, 2, now=0.0)
-    c.take("k", 1.0, 2, now=0.0)
+    settled(c.take("k", 1.0, 2, now=0.0))
+    settled(c.take("k", 1.0, 2, now=0.0))
     # an hour idle refills two tokens, not 3,600
-    assert [c.take("k", 1.0, 2, now=3600.0) for _ in range(3)][:2] == [0.0, 0.0]
-    assert c.take("k", 1.0, 2, now=3600.0) > 0
+    assert [settled(c.take("k", 1.0, 2, now=3600.0)) for _ in range(3)][:2] == [0.0, 0.0]
+    assert settled(c.take("k", 1.0, 2, now=3600.0)) > 0
 
 
 def test_a_refused_take_takes_nothing():
     c = MemoryCounters()
-    assert c.take("k", 1.0, 1, now=0.0) == 0.0
+    assert settled(c.take("k", 1.0, 1, now=0.0)) == 0.0
     for _ in range(50):
-        assert c.take("k", 1.0, 1, now=0.5) == pytest.approx(0.5)
-    assert c.take("k", 1.0, 1, now=1.0) == 0.0
+        assert settled(c.take("k", 1.0, 1, now=0.5)) == pytest.approx(0.5)
+    assert settled(c.take("k", 1.0, 1, now=1.0)) == 0.0
 
 
 def test_window_counts_until_it_resets():
@@ -57,20 +58,20 @@ def test_window_counts_until_it_resets():
     assert c.spend("b", 600, 1000, 3600.0, now=10.0) == 600
     assert c.spend("b", 600, 1000, 3600.0, now=20.0) == 400  # only what fits
     assert c.spend("b", 1, 1000, 3600.0, now=30.0) == 0
-    assert c.window("b", 3600.0, now=30.0) == (1000, pytest.approx(3580.0))
+    assert settled(c.window("b", 3600.0, now=30.0)) == (1000, pytest.approx(3580.0))
     assert c.spend("b", 5, None, 3600.0, now=40.0) == 5  # no limit: counted anyway
-    assert c.window("b", 3600.0, now=3610.0) == (0, 3600.0)  # the hour from the first byte ended
+    assert settled(c.window("b", 3600.0, now=3610.0)) == (0, 3600.0)  # the hour from the first byte ended
     assert c.spend("b", 7, 1000, 3600.0, now=3610.0) == 7
 
 
 def test_concurrent_counts():
     c = MemoryCounters()
-    assert c.acquire("t", 2) and c.acquire("t", 2)
-    assert not c.acquire("t", 2)
-    assert c.count("t") == 2
+    assert settled(c.acquire("t", 2)) and settled(c.acquire("t", 2))
+    assert not settled(c.acquire("t", 2))
+    assert settled(c.count("t")) == 2
     c.release("t")
-    assert c.acquire("t", 2)
-    assert c.acquire("u", None) and c.count("u") == 1
+    assert settled(c.acquire("t", 2))
+    assert settled(c.acquire("u", None)) and settled(c.count("u")) == 1
     for _ in range(3):
         c.release("t")
     c.release("u")
@@ -80,13 +81,13 @@ def test_concurrent_counts():
 def test_idle_keys_expire_and_memory_is_bounded():
     c = MemoryCounters(max_keys=50)
     for i in range(1000):
-        c.take(("rate", i), 1.0, 5, now=float(i) / 1000)
+        settled(c.take(("rate", i), 1.0, 5, now=float(i) / 1000))
         c.spend(("bytes", i), 10, 100, 60.0, now=float(i) / 1000)
     assert len(c) <= 100
     c.sweep(now=3600.0)  # every bucket refilled, every window ended
     assert len(c) == 0
     # a client that keeps using its bucket keeps it
-    c.take("busy", 1.0, 1, now=3600.0)
+    settled(c.take("busy", 1.0, 1, now=3600.0))
     c.sweep(now=3600.5)
     assert len(c) == 1
 
@@ -94,31 +95,31 @@ def test_idle_keys_expire_and_memory_is_bounded():
 def test_check_request_order_and_messages():
     c = MemoryCounters()
     limits = Limits(requests_per_second=1.0, burst=2, max_requests_per_host_per_minute=3, bytes_per_hour=1000)
-    assert check_request(c, limits, ALICE, "a.example", 0.0) is None
-    assert check_request(c, limits, ALICE, "a.example", 0.0) is None
-    refusal = check_request(c, limits, ALICE, "a.example", 0.0)
+    assert settled(check_request(c, limits, ALICE, "a.example", 0.0)) is None
+    assert settled(check_request(c, limits, ALICE, "a.example", 0.0)) is None
+    refusal = settled(check_request(c, limits, ALICE, "a.example", 0.0))
     assert refusal.reason is Reason.RATE_LIMITED and refusal.status == 429 and refusal.retry_after == 1
     assert "1 requests a second" in refusal.detail and "Retry after 1 s" in refusal.message
     # another client is not affected
-    assert check_request(c, limits, BOB, "a.example", 0.0) is None
+    assert settled(check_request(c, limits, BOB, "a.example", 0.0)) is None
     # the third request to one host in a minute (rate tokens to spare) is over its per-host limit
-    assert check_request(c, limits, ALICE, "a.example", 1.0) is None
-    refusal = check_request(c, limits, ALICE, "A.example", 5.0)
+    assert settled(check_request(c, limits, ALICE, "a.example", 1.0)) is None
+    refusal = settled(check_request(c, limits, ALICE, "A.example", 5.0))
     assert refusal.reason is Reason.HOST_RATE_LIMITED and "3 requests a minute to A.example" in refusal.detail
     assert refusal.retry_after == math.ceil((1 - (5.0 / 20.0)) * 20.0)  # a token per 20 s
-    assert check_request(c, limits, ALICE, "b.example", 6.0) is None  # another host
+    assert settled(check_request(c, limits, ALICE, "b.example", 6.0)) is None  # another host
     # the hour's transfer used up: refused first, with when it resets
     c.spend(quotas.bytes_key(ALICE), 1000, None, quotas.HOUR, 10.0)
-    refusal = check_request(c, limits, ALICE, "b.example", 10.0 + 37 * 60)
+    refusal = settled(check_request(c, limits, ALICE, "b.example", 10.0 + 37 * 60))
     assert refusal.reason is Reason.QUOTA_EXCEEDED and refusal.retry_after == 23 * 60
     assert refusal.detail == "this agent has used its hourly transfer quota of 1000 bytes; it resets in 23 minutes"
-    assert check_request(c, limits, ALICE, "b.example", 10.0 + 3600) is None
+    assert settled(check_request(c, limits, ALICE, "b.example", 10.0 + 3600)) is None
 
 
 def test_no_limits_counts_nothing():
     c = MemoryCounters()
     for _ in range(100):
-        assert check_request(c, Limits(), ALICE, "a.example", 0.0) is None
+        assert settled(check_request(c, Limits(), ALICE, "a.example", 0.0)) is None
     assert len(c) == 0
 
 
@@ -132,17 +133,17 @@ def test_burst_defaults_to_one_second_of_requests():
 def test_connection_and_tunnel_admission():
     c = MemoryCounters()
     limits = Limits(max_connections=2, max_tunnels=1)
-    assert quotas.admit_connection(c, limits, "10.0.0.5") is None
-    assert quotas.admit_connection(c, limits, "10.0.0.5") is None
-    refusal = quotas.admit_connection(c, limits, "10.0.0.5")
+    assert settled(quotas.admit_connection(c, limits, "10.0.0.5")) is None
+    assert settled(quotas.admit_connection(c, limits, "10.0.0.5")) is None
+    refusal = settled(quotas.admit_connection(c, limits, "10.0.0.5"))
     assert refusal.reason is Reason.TOO_MANY_CONNECTIONS and refusal.retry_after is None
     assert "10.0.0.5 already has 2 connections" in refusal.message and "Reuse an open connection" in refusal.message
-    assert quotas.admit_connection(c, limits, "10.0.0.6") is None  # per source address
-    assert quotas.admit_tunnel(c, limits, ALICE) is None
-    assert quotas.admit_tunnel(c, limits, ALICE).reason is Reason.TOO_MANY_TUNNELS
-    assert quotas.admit_tunnel(c, limits, BOB) is None
-    assert quotas.admit_total(c, 1) is None
-    assert "max_total_connections" in quotas.admit_total(c, 1)
+    assert settled(quotas.admit_connection(c, limits, "10.0.0.6")) is None  # per source address
+    assert settled(quotas.admit_tunnel(c, limits, ALICE)) is None
+    assert settled(quotas.admit_tunnel(c, limits, ALICE)).reason is Reason.TOO_MANY_TUNNELS
+    assert settled(quotas.admit_tunnel(c, limits, BOB)) is None
+    assert settled(quotas.admit_total(c, 1)) is None
+    assert "max_total_connections" in settled(quotas.admit_total(c, 1))
 
 
 def test_transfer_meter_grants_what_is_left():
@@ -151,8 +152,8 @@ def test_transfer_meter_grants_what_is_left():
     assert meter(60, 0.0) == 60
     assert meter(60, 1.0) == 40
     assert meter(1, 2.0) == 0
-    cut = quotas.transfer_refusal(Limits(bytes_per_hour=100), c.window(quotas.bytes_key(ALICE), quotas.HOUR, 2.0)[1],
-                                  cut=True)
+    _, resets_in = settled(c.window(quotas.bytes_key(ALICE), quotas.HOUR, 2.0))
+    cut = quotas.transfer_refusal(Limits(bytes_per_hour=100), resets_in, cut=True)
     assert cut.reason is Reason.QUOTA_EXCEEDED and "used up its hourly transfer quota of 100 bytes" in cut.detail
     assert "resets in 60 minutes" in cut.detail
 

@@ -16,6 +16,7 @@ from sluice.policy.loader import PolicyInvalid, load_policy_text
 from sluice.policy.model import Limits
 from sluice.policy.quotas import MemoryCounters
 from sluice.policy.reasons import Reason
+from harness.settle import settled
 
 
 def test_max_upstreams_per_connection_loads_top_level_and_per_profile():
@@ -43,12 +44,12 @@ def test_the_source_reserve_is_max_16_or_5_percent_at_most_half(total, reserve):
 def test_one_source_holds_its_share_and_no_more():
     counters = MemoryCounters()
     for _ in range(24):
-        assert quotas.admit_source_share(counters, 40, "10.0.0.5") is None
-    why = quotas.admit_source_share(counters, 40, "10.0.0.5")
+        assert settled(quotas.admit_source_share(counters, 40, "10.0.0.5")) is None
+    why = settled(quotas.admit_source_share(counters, 40, "10.0.0.5"))
     assert why is not None and "24 of the proxy's 40" in why and "16 kept for other sources" in why
-    assert quotas.admit_source_share(counters, 40, "10.0.0.6") is None  # another source
+    assert settled(quotas.admit_source_share(counters, 40, "10.0.0.6")) is None  # another source
     counters.release(quotas.source_slots_key("10.0.0.5"))
-    assert quotas.admit_source_share(counters, 40, "10.0.0.5") is None
+    assert settled(quotas.admit_source_share(counters, 40, "10.0.0.5")) is None
 
 
 def test_the_derived_total_is_two_fds_a_connection_after_a_reserve():
@@ -60,12 +61,12 @@ def test_the_derived_total_is_two_fds_a_connection_after_a_reserve():
 def test_a_user_profiles_max_connections_applies_at_the_first_request():
     counters = MemoryCounters()
     for _ in range(3):  # counted at accept under the top level's (no) limit
-        assert quotas.admit_connection(counters, Limits(), "10.0.0.5") is None
-    assert quotas.over_connections(counters, Limits(max_connections=3), "10.0.0.5") is None
-    refusal = quotas.over_connections(counters, Limits(max_connections=2), "10.0.0.5")
+        assert settled(quotas.admit_connection(counters, Limits(), "10.0.0.5")) is None
+    assert settled(quotas.over_connections(counters, Limits(max_connections=3), "10.0.0.5")) is None
+    refusal = settled(quotas.over_connections(counters, Limits(max_connections=2), "10.0.0.5"))
     assert refusal is not None and refusal.reason is Reason.TOO_MANY_CONNECTIONS
     assert "already has 2 connections open" in refusal.detail
-    assert quotas.over_connections(counters, Limits(), "10.0.0.5") is None
+    assert settled(quotas.over_connections(counters, Limits(), "10.0.0.5")) is None
 
 
 class Clock:
