@@ -23,8 +23,8 @@ import hmac
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from sluice.policy.hosts import Host, HostError, IPHost, parse_host
-from sluice.policy.matchers import HostMatcher, parse_host_pattern
+from sluice.policy.hosts import Host, HostError, parse_host
+from sluice.policy.matchers import HostMatcher
 from sluice.policy.reasons import Reason, Refusal
 
 if TYPE_CHECKING:
@@ -160,39 +160,3 @@ def value_problem(value: str) -> str | None:
     if value != value.strip():
         return "starts or ends with white space"
     return None
-
-
-def pattern_intercepted(intercept: HostMatcher, text: str) -> bool:
-    """Whether `intercept` covers every host the pattern `text` can name (so
-    every HTTPS request to it is one the proxy terminates and sees)."""
-    if intercept.everything:
-        return True
-    try:
-        kind, key = parse_host_pattern(text)
-    except ValueError:
-        return False
-    if kind == "exact":
-        return intercept.match_name(key) is not None
-    if kind == "cidr":
-        try:
-            host = parse_host(key)
-        except HostError:
-            return False
-        return isinstance(host, IPHost) and intercept.match_host(host) is not None
-    # Every name under key (and key itself for **.) must match.
-    names = [f"x.{key}"] + ([key] if kind == "apex_and_subdomains" else [])
-    if any(intercept.match_name(n) is None for n in names):
-        return False
-    return _covers_subdomains(intercept, key)
-
-
-def _covers_subdomains(intercept: HostMatcher, key: str) -> bool:
-    """Whether every subdomain of `key` matches `intercept` (a wildcard at
-    `key` or above)."""
-    labels = key.split(".")
-    for i in range(len(labels)):
-        suffix = ".".join(labels[i:])
-        if suffix in intercept.apex_and_subdomains or suffix in intercept.subdomains:
-            return True
-    return False
-

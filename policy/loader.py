@@ -29,7 +29,14 @@ from sluice.policy import credentials as creds
 from sluice.policy.clients import secret_verifier
 from sluice.policy.decide import canonical_ip
 from sluice.policy.hosts import INTERNAL_SUFFIXES, internal_name
-from sluice.policy.matchers import AddressSet, HostMatcher, PatternError, parse_cidr, parse_host_pattern
+from sluice.policy.matchers import (
+    AddressSet,
+    HostMatcher,
+    PatternError,
+    covers_pattern,
+    parse_cidr,
+    parse_host_pattern,
+)
 from sluice.policy.ranges import IPV4_NON_PUBLIC, IPV6_NON_PUBLIC, NonPublicRange
 from sluice.policy.reasons import MAX_NOTE_CHARS
 from sluice.policy.units import size_text
@@ -651,7 +658,7 @@ class _Reader:
                 if node is None or not entry.headers:
                     continue
                 for text in entry.hosts_text:
-                    if creds.pattern_intercepted(rules.intercept, text) or (id(entry), text) in reported:
+                    if covers_pattern(rules.intercept, text) or (id(entry), text) in reported:
                         continue
                     reported.add((id(entry), text))
                     item = next((n for n in self.sequence(node, "credentials hosts") if self.scalar(n) == text), node)
@@ -758,7 +765,7 @@ class _Reader:
                 if node is None or rule.host_only:
                     continue
                 for text in rule.hosts_text:
-                    if creds.pattern_intercepted(rules.intercept, text) or (id(rule), text) in reported:
+                    if covers_pattern(rules.intercept, text) or (id(rule), text) in reported:
                         continue
                     reported.add((id(rule), text))
                     item = next((n for n in self.sequence(node, "rules hosts") if self.scalar(n) == text), node)
@@ -875,9 +882,10 @@ class _Reader:
                 continue
             if kind in ("everything", "cidr"):
                 continue
-            probe = key if kind != "subdomains" else f"x.{key}"
-            deny = rules.deny.match_name(probe)
-            if deny is not None and (kind == "exact" or _covers(rules.deny, kind, key)):
+            if not covers_pattern(rules.deny, text):
+                continue
+            deny = rules.deny.match_name(key if kind != "subdomains" else f"x.{key}")
+            if deny is not None:
                 self.problem(item, f"allow entry {_q(text)} can never match: the deny rule {_q(deny.text)} "
                                    f"({deny.origin}) always wins")
 
@@ -1083,22 +1091,6 @@ class _Unread(enum.Enum):
 
 
 _NOT_READ = _Unread.NOT_READ
-
-
-def _covers(deny: HostMatcher, kind: str, key: str) -> bool:
-    """Whether deny matches every name the allow pattern (kind, key) can match."""
-    if deny.everything:
-        return True
-    labels = key.split(".")
-    for i in range(len(labels)):
-        suffix = ".".join(labels[i:])
-        if suffix in deny.apex_and_subdomains:
-            return True
-        if i > 0 and suffix in deny.subdomains:
-            return True
-        if i == 0 and kind == "subdomains" and suffix in deny.subdomains:
-            return True
-    return False
 
 
 def _internal_suffix(name: str) -> str | None:

@@ -173,6 +173,38 @@ class HostMatcher:
         return self.addresses.match_address(address) if self.addresses else None
 
 
+def covers_pattern(matcher: HostMatcher, text: str) -> bool:
+    """Whether `matcher` matches every host the pattern `text` names as
+    written (`policy check`'s shadowing and interception checks, the
+    credentials' interception check). Sound, never generous: False when
+    unsure, and for a malformed pattern or a CIDR."""
+    if matcher.everything:
+        return True
+    try:
+        kind, key = parse_host_pattern(text)
+    except PatternError:
+        return False
+    if kind == "everything":
+        return False
+    if kind == "exact":
+        return matcher.match_name(key) is not None
+    if kind == "cidr":
+        try:
+            host = parse_host(key)
+        except HostError:
+            return False  # a CIDR: no single host to probe
+        return isinstance(host, IPHost) and matcher.match_host(host) is not None
+    if kind == "apex_and_subdomains" and matcher.match_name(key) is None:
+        return False
+    # Every subdomain of `key`: only a wildcard at `key` or above matches them all.
+    labels = key.split(".")
+    for i in range(len(labels)):
+        suffix = ".".join(labels[i:])
+        if suffix in matcher.apex_and_subdomains or suffix in matcher.subdomains:
+            return True
+    return False
+
+
 def parse_host_pattern(text: object) -> tuple[str, str]:
     """Classify one pattern: ("exact"|"subdomains"|"apex_and_subdomains", name),
     ("everything", "*") or ("cidr", text). Raises PatternError."""

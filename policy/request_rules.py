@@ -14,15 +14,11 @@ rules that can name the request's host, in policy order.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from urllib.parse import parse_qsl
 
 from sluice.policy.hosts import IPHost, NameHost
-from sluice.policy.matchers import HostMatcher
-
-# (a rule's host matcher, another rule's host pattern text) -> does it cover every host the pattern names
-HostCovers = Callable[[HostMatcher, str], bool]
+from sluice.policy.matchers import HostMatcher, covers_pattern
 
 # RFC 3986 2.3: percent-encodings of these are equivalent to the characters.
 _UNRESERVED = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-._~")
@@ -366,11 +362,10 @@ def _path_covers(wide: PathPattern, narrow: PathPattern) -> bool:
     return False
 
 
-def shadows(earlier: RequestRule, later: RequestRule, host_covers: HostCovers) -> bool:
+def shadows(earlier: RequestRule, later: RequestRule) -> bool:
     """Whether `earlier` matches every request `later` matches, so `later`
-    never decides. `host_covers(matcher, pattern_text)`: does the matcher
-    cover every host the pattern can name."""
-    if not all(host_covers(earlier.hosts, text) for text in later.hosts_text):
+    never decides."""
+    if not all(covers_pattern(earlier.hosts, text) for text in later.hosts_text):
         return False
     if earlier.methods is not None and (later.methods is None or not later.methods <= earlier.methods):
         return False
@@ -384,13 +379,13 @@ def shadows(earlier: RequestRule, later: RequestRule, host_covers: HostCovers) -
     return True
 
 
-def rule_warnings(rules: RuleSet, host_covers: HostCovers) -> list[tuple[RequestRule, str]]:
+def rule_warnings(rules: RuleSet) -> list[tuple[RequestRule, str]]:
     """(rule, message) for rules an earlier one shadows, and for path
     patterns that differ from an earlier one only by case."""
     out: list[tuple[RequestRule, str]] = []
     for j, later in enumerate(rules.rules):
         for earlier in rules.rules[:j]:
-            if shadows(earlier, later, host_covers):
+            if shadows(earlier, later):
                 out.append((later, f"the rule at {later.origin} ({later.text}) never decides: the earlier rule at "
                                    f"{earlier.origin} ({earlier.text}) matches every request it matches"))
                 break

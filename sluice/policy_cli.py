@@ -35,20 +35,19 @@ import yaml
 
 from sluice.admission import Admission, Arrival, Kind, TunnelFacts, admit, tunnel_client
 from sluice.policy.clients import ClientMatch, match_client
-from sluice.policy.credentials import Credential, pattern_intercepted
+from sluice.policy.credentials import Credential
 from sluice.policy.decide import Decision, Destination
 from sluice.policy.hosts import HostError, IPHost, internal_name, parse_host
 from sluice.policy.loader import (
     PolicyInvalid,
     Problem,
-    _covers,
     _scan,
     compose_checked,
     hash_password,
     read_policy_bytes,
     read_policy_file,
 )
-from sluice.policy.matchers import HostMatcher, PatternError, parse_host_pattern
+from sluice.policy.matchers import HostMatcher, PatternError, covers_pattern, parse_host_pattern
 from sluice.policy.model import STANDARD_METHODS, DnsSettings, Policy, Rules
 from sluice.policy.reasons import Reason
 from sluice.policy.request_rules import rule_warnings
@@ -357,7 +356,7 @@ def _rule_warnings(policy: Policy) -> list[Problem]:
         if id(rules.request_rules) in seen:
             continue
         seen.add(id(rules.request_rules))
-        for rule, message in rule_warnings(rules.request_rules, pattern_intercepted):
+        for rule, message in rule_warnings(rules.request_rules):
             out.append(Problem(policy.source, rule.line, rule.column, f"warning: {message}"))
     return out
 
@@ -389,18 +388,14 @@ def _not_intercepted(rules: Rules) -> str | None:
 
 
 def _intercepted_pattern(intercept: HostMatcher, text: str) -> bool:
-    """Whether `intercept` covers every host the allow pattern can name."""
+    """Whether `intercept` covers every host the allow pattern can name. An
+    address entry is reached by names that resolve into it, which only `*`
+    intercepts (and `_not_intercepted` has answered for `*` already)."""
     try:
-        kind, key = parse_host_pattern(text)
+        kind, _ = parse_host_pattern(text)
     except PatternError:
         return False
-    if kind == "exact":
-        return intercept.match_name(key) is not None
-    if kind == "subdomains":
-        return _covers(intercept, kind, key)
-    if kind == "apex_and_subdomains":
-        return intercept.match_name(key) is not None and _covers(intercept, "subdomains", key)
-    return False  # an address entry is reached by names that resolve into it: only `*` intercepts them all
+    return kind != "cidr" and covers_pattern(intercept, text)
 
 
 # ---- URLs, --resolve, --method ---------------------------------------------

@@ -8,9 +8,8 @@ import os
 
 import pytest
 
-from sluice.policy.credentials import Secret, apply_to, credential_for, pattern_intercepted
+from sluice.policy.credentials import Secret, apply_to, credential_for
 from sluice.policy.loader import PolicyInvalid, load_policy_file, load_policy_text
-from sluice.policy.matchers import HostMatcher
 
 SECRET = "s3cr3t-VALUE-never-shown"
 ENV = {"GH_TOKEN": "gh-" + SECRET}
@@ -137,23 +136,6 @@ def test_a_credentials_host_that_is_not_intercepted_names_the_intercept_entry_to
                         "    sources: [10.1.0.0/16]\n    intercept: [\"**.github.com\"]\n")
     found = problems(text)
     assert any("client profile 'ci'" in p and "add 'api.example.com'" in p for p in found), found
-
-
-@pytest.mark.parametrize("patterns,text,covered", [
-    (["*"], "**.a.com", True),
-    (["**.a.com"], "x.y.a.com", True),
-    (["**.a.com"], "**.a.com", True),
-    (["*.a.com"], "**.a.com", False),
-    (["*.a.com"], "*.a.com", True),
-    (["*.a.com"], "*.b.a.com", True),
-    (["a.com"], "*.a.com", False),
-    (["a.com", "*.a.com"], "**.a.com", True),
-    (["a.com"], "b.com", False),
-    (["1.2.3.4"], "1.2.3.4", True),
-])
-def test_pattern_intercepted(patterns, text, covered):
-    matcher = HostMatcher.build([(p, "") for p in patterns])
-    assert pattern_intercepted(matcher, text) is covered
 
 
 @pytest.mark.parametrize("snippet,expected", [

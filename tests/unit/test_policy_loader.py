@@ -420,6 +420,13 @@ def test_shadowed_allow_entries(allow, deny, shadowed):
     assert "can never match: the deny rule" in message and "(p.yaml:5) always wins" in message
 
 
+def test_deny_entries_that_together_cover_an_allow_entry_shadow_it():
+    # example.com takes the apex, *.example.com every subdomain: nothing is left for the allow entry.
+    text = 'version: 1\nallow:\n  - "**.example.com"\ndeny:\n  - example.com\n  - "*.example.com"\n'
+    line, col, message = one(text)
+    assert (line, col) == (3, 5) and "can never match: the deny rule" in message
+
+
 def test_shadowing_is_checked_inside_profiles_too():
     text = ('version: 1\ndeny: ["**.evil.example"]\nclients:\n  - name: a\n    sources: [10.0.0.0/8]\n    allow: '
             '[x.evil.example]\n')

@@ -9,7 +9,14 @@ import netaddr
 import pytest
 
 from sluice.policy.hosts import IPHost, NameHost, parse_host
-from sluice.policy.matchers import AddressSet, HostMatcher, PatternError, parse_cidr, parse_host_pattern
+from sluice.policy.matchers import (
+    AddressSet,
+    HostMatcher,
+    PatternError,
+    covers_pattern,
+    parse_cidr,
+    parse_host_pattern,
+)
 
 
 def matcher(*patterns: str) -> HostMatcher:
@@ -186,3 +193,32 @@ def test_address_set_most_specific_entry_and_ports():
     assert at("fd00:0:0:1::7", 9000) is None
     assert entries.match_address("10.0.0.5", None).origin == "p:2"
     assert len(entries) == 3 and bool(entries) and not AddressSet()
+
+
+# One helper answers "does this matcher cover every host that pattern names"
+# for policy check's deny shadowing, its interception summary, request-rule
+# shadowing and the credentials' interception check.
+@pytest.mark.parametrize("patterns,text,covered", [
+    (["*"], "**.a.com", True),
+    (["*"], "10.0.0.0/8", True),
+    (["**.a.com"], "x.y.a.com", True),
+    (["**.a.com"], "**.a.com", True),
+    (["**.a.com"], "a.com", True),
+    (["*.a.com"], "**.a.com", False),
+    (["*.a.com"], "*.a.com", True),
+    (["*.a.com"], "*.b.a.com", True),
+    (["*.a.com"], "a.com", False),
+    (["a.com"], "*.a.com", False),
+    (["a.com", "*.a.com"], "**.a.com", True),
+    (["**.com"], "*.a.com", True),
+    (["*.com"], "**.a.com", True),
+    (["a.com"], "b.com", False),
+    (["1.2.3.4"], "1.2.3.4", True),
+    (["1.2.3.4"], "1.2.3.5", False),
+    (["10.0.0.0/8"], "10.1.2.3", True),
+    (["10.0.0.0/8"], "10.0.0.0/8", False),  # a CIDR names no single host to probe: never claimed
+    (["a.com"], "*", False),
+    (["a.com"], "not a pattern", False),
+])
+def test_covers_pattern(patterns, text, covered):
+    assert covers_pattern(matcher(*patterns), text) is covered
