@@ -143,9 +143,9 @@ def profile_match(policy: Policy, name: str | None) -> ClientMatch:
     with the rules the policy has for it now; refused if it is gone."""
     if name is None:
         return ClientMatch(policy.rules, None)
-    for profile in policy.clients:
-        if profile.name == name:
-            return ClientMatch(profile.rules, profile.name)
+    profile = policy.profile(name)
+    if profile is not None:
+        return ClientMatch(profile.rules, profile.name)
     return ClientMatch(policy.rules, None, Refusal(
         Reason.CLIENT_UNKNOWN, f"this connection's client profile {name!r} is no longer in the policy; reconnect",
         note=policy.rules.refusal_note))

@@ -141,3 +141,7 @@ class Policy:
     # The host's own addresses it cannot see on its interfaces (a cloud VM's
     # NAT'd public address), canonical IP text: dials to them are proxy_loop.
     proxy_addresses: frozenset[str] = frozenset()
+
+    def profile(self, name: str) -> ClientProfile | None:
+        """The client profile called `name`, if the policy has one."""
+        return next((profile for profile in self.clients if profile.name == name), None)

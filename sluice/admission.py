@@ -235,10 +235,8 @@ def live_rules(policy: Policy, profile: str | None) -> Rules | None:
     `require_client` is on)."""
     if profile is None:
         return None if policy.require_client else policy.rules
-    for candidate in policy.clients:
-        if candidate.name == profile:
-            return candidate.rules
-    return None
+    found = policy.profile(profile)
+    return found.rules if found is not None else None
 
 
 def _not_own_host(rules: Rules, policy: Policy, decision: Decision, own_host: OwnHost) -> Decision:

@@ -499,9 +499,11 @@ class LiveResolver:
 
 
 def find_profile(policy: Policy, name: str) -> Rules:
-    for profile in policy.clients:
-        if profile.name == name:
-            return profile.rules
+    """The rules of the client profile `name`, or a UsageError that names the
+    profiles there are."""
+    profile = policy.profile(name)
+    if profile is not None:
+        return profile.rules
     known = [p.name for p in policy.clients]
     if not known:
         raise UsageError(f"the policy has no client profiles, so there is no {name!r}")

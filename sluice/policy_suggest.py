@@ -160,10 +160,10 @@ def _when(record: dict) -> float:
 def _rules_of(policy: Policy, profile: str | None) -> Rules:
     if profile is None:
         return policy.rules
-    for p in policy.clients:
-        if p.name == profile:
-            return p.rules
-    raise KeyError(profile)
+    found = policy.profile(profile)
+    if found is None:
+        raise KeyError(profile)
+    return found.rules
 
 
 def _soft(record: dict) -> str | None:
@@ -435,7 +435,7 @@ def suggest(policy_path: str, audit_path: str, *, profile: str | None = None, si
     if loaded is None:
         return EXIT_INVALID
     policy, raw = loaded
-    if profile is not None and profile not in {p.name for p in policy.clients}:
+    if profile is not None and policy.profile(profile) is None:
         return _usage(f"no client profile named {profile!r} in {policy_path}")
     notes: list[str] = []
     try:

@@ -132,3 +132,11 @@ def test_credentials_are_ignored_when_the_policy_defines_no_users():
     m = match_client(plain, "10.1.2.3", "someone", "anything")
     assert m.refusal is None and m.profile == "net"
     assert match_client(plain, "8.8.8.8", "someone", "x").refusal is None
+
+
+def test_profile_lookup_by_name():
+    p = policy()
+    assert p.profile("lab-gpu").rules.methods == frozenset({"GET", "HEAD"})
+    assert p.profile("lab").name == "lab"  # a name that prefixes another still finds itself
+    assert p.profile("nobody") is None
+    assert p.profile("LAB") is None  # names are exact
