@@ -37,7 +37,8 @@ import time
 
 from collections.abc import Callable
 
-from sluice.policy.decide import canonical_ip, check_own_address
+from sluice.policy.decide import check_own_address
+from sluice.policy.hosts import canonical_ip
 from sluice.policy.model import Rules
 from sluice.policy.reasons import Refusal
 

@@ -11,14 +11,12 @@ between with whatever resolver they have.
 
 from __future__ import annotations
 
-import functools
-import ipaddress
 from dataclasses import dataclass
 from typing import Any
 
 import netaddr
 
-from sluice.policy.hosts import Host, HostError, IPHost, NameHost, internal_name, parse_host
+from sluice.policy.hosts import Host, HostError, IPHost, NameHost, canonical_ip, internal_name, parse_host
 from sluice.policy.matchers import AddressEntry, Rule
 from sluice.policy.model import Rules
 from sluice.policy.ranges import classify
@@ -271,16 +269,6 @@ def check_address(rules: Rules, address: str, port: int) -> Refusal | None:
         return Refusal(Reason.MALFORMED_HOST, f"{address} is not an IP address")
     decision = _check_addresses(rules, host, port, (host.address,), None, None, literal=True)
     return decision.refusal
-
-
-@functools.lru_cache(maxsize=4096)
-def canonical_ip(text: str) -> str:
-    """An IP address in one spelling (IPv4-mapped IPv6 as IPv4, no zone);
-    ValueError if it is not one."""
-    ip = ipaddress.ip_address(text.split("%", 1)[0])
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-        return str(ip.ipv4_mapped)
-    return str(ip)
 
 
 def check_own_address(rules: Rules, addresses: tuple[str, ...] | list[str], port: int,

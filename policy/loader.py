@@ -27,8 +27,7 @@ import yaml
 
 from sluice.policy import credentials as creds
 from sluice.policy.clients import secret_verifier
-from sluice.policy.decide import canonical_ip
-from sluice.policy.hosts import INTERNAL_SUFFIXES, internal_name
+from sluice.policy.hosts import INTERNAL_SUFFIXES, canonical_ip, internal_name
 from sluice.policy.matchers import (
     AddressSet,
     HostMatcher,

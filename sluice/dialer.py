@@ -50,7 +50,7 @@ from typing import Any, Protocol
 from sluice.addons import open_files
 from sluice.addons.audit import peer
 from sluice.addons.own_host import OWN_HOST
-from sluice.policy.decide import canonical_ip
+from sluice.policy.hosts import canonical_ip
 from sluice.policy.model import Rules, UpstreamProxy
 from sluice.policy.reasons import Reason
 
@@ -95,7 +95,7 @@ class Audit(Protocol):
 
 @functools.lru_cache(maxsize=4096)
 def pinned_ip(text: str) -> str | None:
-    """An IP literal in the form the gate pins (policy.decide.canonical_ip),
+    """An IP literal in the form the gate pins (policy.hosts.canonical_ip),
     None for a name. Cached: it runs several times per connection on the
     tunnel-setup hot path."""
     try:

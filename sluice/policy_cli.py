@@ -26,7 +26,6 @@ import difflib
 import getpass
 import json
 import re
-import socket
 import sys
 from dataclasses import dataclass, replace
 from typing import Any
@@ -37,7 +36,7 @@ from sluice.admission import Admission, Arrival, Kind, TunnelFacts, admit, tunne
 from sluice.policy.clients import ClientMatch, match_client
 from sluice.policy.credentials import Credential
 from sluice.policy.decide import Decision, Destination
-from sluice.policy.hosts import HostError, IPHost, internal_name, parse_host
+from sluice.policy.hosts import HostError, IPHost, canonical_ip, internal_name, parse_host
 from sluice.policy.loader import (
     PolicyInvalid,
     Problem,
@@ -444,16 +443,18 @@ def resolve_name(text: str) -> str:
     return host.name
 
 
-def canonical_ip(text: str) -> str:
-    """One DNS answer: a plain IPv4 or IPv6 address, in canonical text."""
+def answer_ip(text: str) -> str:
+    """One DNS answer: a plain IPv4 or IPv6 address, in canonical text (an
+    IPv4-mapped answer stays as written, as a resolver returns it; a DNS
+    answer has no zone id)."""
     raw = text.strip()
     if raw.startswith("[") and raw.endswith("]"):
         raw = raw[1:-1]
-    for family in (socket.AF_INET, socket.AF_INET6):
+    if "%" not in raw:
         try:
-            return socket.inet_ntop(family, socket.inet_pton(family, raw))
-        except (OSError, ValueError):
-            continue
+            return canonical_ip(raw, ipv4_mapped_as_ipv4=False)
+        except ValueError:
+            pass
     raise UsageError(f"{text!r} is not an IP address (a DNS answer is a plain IPv4 or IPv6 address)")
 
 
@@ -468,7 +469,7 @@ def parse_resolve(items: list[str]) -> dict[str, list[str]]:
             key = resolve_name(name)
             answers = table.setdefault(key, [])
             for ip in ips.split(","):
-                address = canonical_ip(ip)
+                address = answer_ip(ip)
                 if address not in answers:
                     answers.append(address)
         except UsageError as e:
@@ -817,7 +818,7 @@ class _CaseReader:
                     self.problem(item, f"resolve: {host!r} must map to an IP address string or a list of them")
                     continue
                 try:
-                    address = canonical_ip(value)
+                    address = answer_ip(value)
                 except UsageError as e:
                     self.problem(item, f"resolve: {e}")
                     continue

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import example, given, settings, strategies as st
 
 from sluice.policy.decide import Destination, check_request
-from sluice.policy.hosts import HostError, IPHost, NameHost, parse_host
+from sluice.policy.hosts import HostError, IPHost, NameHost, canonical_ip, parse_host
 from sluice.policy.model import Rules
 from sluice.policy.ranges import ALL_NON_PUBLIC, classify
 
@@ -191,3 +191,32 @@ def test_malformed_hosts_are_refused(text):
                                        ("_dmarc.example.com", "_dmarc.example.com")])
 def test_names_are_normalised(text, name):
     assert parse_host(text) == NameHost(name)
+
+
+# canonical_ip: the one spelling pins, own-address sets and DNS answers compare in.
+@pytest.mark.parametrize(("text", "mapped_as_ipv4", "kept"), [
+    ("8.8.8.8", "8.8.8.8", "8.8.8.8"),
+    ("2001:DB8:0:0::1", "2001:db8::1", "2001:db8::1"),
+    ("::ffff:8.8.8.8", "8.8.8.8", "::ffff:8.8.8.8"),
+    ("::FFFF:0808:0808", "8.8.8.8", "::ffff:8.8.8.8"),
+    ("fe80::1%eth0", "fe80::1", "fe80::1"),
+])
+def test_canonical_ip_spellings(text, mapped_as_ipv4, kept):
+    assert canonical_ip(text) == mapped_as_ipv4
+    assert canonical_ip(text, ipv4_mapped_as_ipv4=False) == kept
+
+
+@pytest.mark.parametrize("text", ["example.com", "127.1", "0x7f.0.0.1", "010.0.0.1", "8.8.8.8/32", "[::1]", "",
+                                  " 8.8.8.8"])
+def test_canonical_ip_reads_addresses_not_host_text(text):
+    with pytest.raises(ValueError):
+        canonical_ip(text)
+
+
+@given(st.ip_addresses())
+def test_canonical_ip_is_the_spelling_parse_host_gives(ip):
+    host = parse_host(f"[{ip}]" if ip.version == 6 else str(ip))
+    assert isinstance(host, IPHost)
+    mapped = ip.version == 6 and ip.ipv4_mapped is not None
+    assert canonical_ip(str(ip), ipv4_mapped_as_ipv4=False) == host.address
+    assert canonical_ip(str(ip)) == (str(ip.ipv4_mapped) if mapped else host.address)
