@@ -5,7 +5,7 @@ code, so operators have one canonical place to look (like Smokescreen's
 decision line). Allowed exchanges are logged when they end, with bytes and
 duration; refusals are logged at once. Policy reloads are logged too.
 
-Observers (addons/metrics.py, addons/admin.py) see every record through
+Observers (addons/metrics.py, addons/status.py) see every record through
 `listeners`: each is called with the line's dict after it is written, so
 metrics count exactly the decisions the log records.
 

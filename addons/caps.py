@@ -19,9 +19,9 @@ from mitmproxy.proxy.server_hooks import ServerConnectionHookData
 from sluice import connstate
 from sluice.addons import connections, mitm_patches
 from sluice.addons.audit import AuditLog
-from sluice.addons.failsafe import fail_closed
+from sluice.failsafe import fail_closed
 from sluice.addons.policy_source import PolicySource
-from sluice.addons.refusals import answer_now, noted, refusal_bytes, refusal_response
+from sluice.refusals import answer_now, noted, refusal_bytes, refusal_response
 from sluice.outcome import Outcome, outcome_of
 from sluice.dialer import OUT_OF_FILES_DIAL, UPSTREAMS_BUSY, Meter
 from sluice.policy.model import Limits, Rules
@@ -79,7 +79,7 @@ class Caps:
             connstate.state_of(data.client).connect_refusal = Refusal(
                 Reason.UPSTREAM_PROXY_FAILED, error[len(UPSTREAM_PROXY_PREFIX):])
         elif OUT_OF_FILES_DIAL in error:
-            # No fd for the dial (addons/open_files.py reported it): answered
+            # No fd for the dial (sluice/open_files.py reported it): answered
             # like a connect timeout, as a refusal the client can act on.
             connstate.state_of(data.client).connect_refusal = Refusal(
                 Reason.TOO_MANY_CONNECTIONS, f"{OUT_OF_FILES_DIAL}; it is overloaded",

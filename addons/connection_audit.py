@@ -48,8 +48,8 @@ from mitmproxy.proxy.server_hooks import ServerConnectionHookData
 from sluice import connstate
 from sluice.addons import connections, mitm_patches
 from sluice.addons.audit import AuditLog, peer, quote_client
-from sluice.addons.own_host import mitmproxy_listeners
-from sluice.addons.refusals import REASON_HEADER, error_bytes, error_response, refusal_body, refusal_bytes, refusal_response
+from sluice.own_host import mitmproxy_listeners
+from sluice.refusals import REASON_HEADER, error_bytes, error_response, refusal_body, refusal_bytes, refusal_response
 from sluice.outcome import Outcome, outcome_of
 from sluice.policy.decide import ALLOWED_SCHEMES, scheme_refusal
 from sluice.policy.reasons import Reason, Refusal

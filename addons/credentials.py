@@ -37,9 +37,9 @@ import os
 from mitmproxy import http
 
 from sluice.addons.audit import CREDENTIAL_META, AuditLog
-from sluice.addons.failsafe import fail_closed
+from sluice.failsafe import fail_closed
 from sluice.addons.policy_source import LivePolicy, PolicySource
-from sluice.addons.refusals import refusal_response
+from sluice.refusals import refusal_response
 from sluice.outcome import ADMISSION_META, outcome_of
 from sluice.policy.credentials import CredentialHeader, format_value, value_problem
 from sluice.policy.loader import MAX_SECRET_BYTES, FileRefused, read_regular_file

@@ -32,7 +32,7 @@
   the new policy refuses or whose client matches no profile any more
   (`tunnel_revoked`).
 - A destination at one of the proxy's own host's addresses, on any port, is
-  `proxy_loop` (addons/own_host.py says which addresses), decided with the
+  `proxy_loop` (sluice/own_host.py says which addresses), decided with the
   rest so the client gets the 403 and the audit line says refuse; the dial
   check refuses it again if the address became the host's since.
 """
@@ -51,12 +51,12 @@ from mitmproxy.proxy.server_hooks import ServerConnectionHookData
 from sluice import connstate
 from sluice.addons import connections, mitm_patches
 from sluice.addons.audit import AuditLog, peer, quote_client
-from sluice.addons.failsafe import fail_closed
+from sluice.failsafe import fail_closed
 from sluice.addons.caps import Caps
-from sluice.addons.identity import PROXY_AUTHORIZATION, ClientIdentifier, parse_basic
-from sluice.addons.own_host import OWN_HOST
+from sluice.identity import PROXY_AUTHORIZATION, ClientIdentifier, parse_basic
+from sluice.own_host import OWN_HOST
 from sluice.addons.policy_source import LivePolicy, PolicySource
-from sluice.addons.refusals import refusal_response
+from sluice.refusals import refusal_response
 from sluice.outcome import ADMISSION_META, META, Outcome, outcome_of
 from sluice.admission import (
     Admission, Arrival, Kind, OpenTunnel, TunnelFacts, addresses_of, admit, readmit_dial, readmit_tunnel,
@@ -202,7 +202,7 @@ class EgressGate:
         """A SOCKS5 client's username/password (RFC 1929, asked for when its
         greeting offers it: mitm_patches `socks5_login`), checked exactly like
         Proxy-Authorization. The profile it matches is the connection's
-        identity (addons/identity.py keeps it by client connection id for
+        identity (sluice/identity.py keeps it by client connection id for
         `server_connect`). A refused login gets mitmproxy's RFC 1929 failure
         reply and the connection closes; its audit line is written here."""
         client = data.client_conn

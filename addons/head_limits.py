@@ -34,7 +34,7 @@ from sluice import connstate
 from sluice.addons import connections, mitm_patches
 from sluice.addons.audit import AuditLog, peer
 from sluice.addons.policy_source import PolicySource
-from sluice.addons.refusals import refusal_bytes
+from sluice.refusals import refusal_bytes
 from sluice.policy.model import Limits
 from sluice.policy.reasons import Reason, Refusal
 from sluice.policy.units import size_text

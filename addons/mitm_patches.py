@@ -325,7 +325,7 @@ RELIED_ON["connection_handler"] = (
 # refusals apart (the invalid-request 400s, the failed CONNECT's 502, a head
 # it cannot parse, the SOCKS5 errors) and its proxyserver's refusal of a dial
 # back to one of its listeners (told by the listener addresses, which
-# addons/own_host.py reads).
+# sluice/own_host.py reads).
 RELIED_ON["mitmproxy_messages"] = (
     "mitmproxy.proxy.layers.http:validate_request",
     "mitmproxy.proxy.layers.http:HttpStream.handle_connect_regular",

@@ -25,9 +25,9 @@ from __future__ import annotations
 
 from mitmproxy import http
 
-from sluice.addons.failsafe import fail_closed
+from sluice.failsafe import fail_closed
 from sluice.addons.redirects import _ends_with_headers
-from sluice.addons.refusals import REASON_HEADER, answer_now, plain_http1, refusal_in_place_of, sluice_made
+from sluice.refusals import REASON_HEADER, answer_now, plain_http1, refusal_in_place_of, sluice_made
 from sluice.outcome import outcome_of
 from sluice.policy.reasons import Reason, Refusal
 

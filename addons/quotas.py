@@ -71,10 +71,10 @@ from sluice import connstate
 from sluice.addons import connections
 from sluice.addons.audit import AuditLog, peer
 from sluice.addons.caps import Caps
-from sluice.addons.failsafe import fail_closed
+from sluice.failsafe import fail_closed
 from sluice.addons.gate import SOCKS5_NOT_ALLOWED, EgressGate, tunnel_of
 from sluice.addons.policy_source import PolicySource
-from sluice.addons.refusals import noted, refusal_response
+from sluice.refusals import noted, refusal_response
 from sluice.outcome import Outcome, outcome_of
 from sluice.policy import quotas
 from sluice.policy.clients import VIA_SOURCE, identify

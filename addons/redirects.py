@@ -39,9 +39,9 @@ from mitmproxy import http
 from mitmproxy.net.http.http1 import expected_http_body_size
 
 from sluice.addons import connections
-from sluice.addons.failsafe import fail_closed
+from sluice.failsafe import fail_closed
 from sluice.addons.policy_source import PolicySource
-from sluice.addons.refusals import RefusalBody, answer_now, plain_http1, refusal_in_place_of
+from sluice.refusals import RefusalBody, answer_now, plain_http1, refusal_in_place_of
 from sluice.resolver import resolve_and_decide
 from sluice.outcome import outcome_of
 from sluice.policy.decide import Destination

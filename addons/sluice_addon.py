@@ -30,7 +30,7 @@ from sluice.addons.upstreams import Upstreams
 
 def make_addons(*, lifecycle: bool = False, metrics: bool = False) -> list:
     """`lifecycle` (sluice proxy): the readiness state and the graceful drain
-    (addons/admin.py Status, addons/drain.py); `metrics`: the Prometheus
+    (addons/status.py, addons/drain.py); `metrics`: the Prometheus
     metrics (addons/metrics.py). Both watch the audit log's records."""
     mitm_patches.install()
     audit = AuditLog()
@@ -39,7 +39,7 @@ def make_addons(*, lifecycle: bool = False, metrics: bool = False) -> list:
     gate = EgressGate(source, audit, caps)
     operations: list = []
     if lifecycle:
-        from sluice.addons.admin import Status
+        from sluice.addons.status import Status
         from sluice.addons.drain import Drain
 
         status = Status(audit, source)

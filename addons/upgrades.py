@@ -24,10 +24,10 @@ from mitmproxy import http, tcp
 
 from sluice import connstate
 from sluice.addons.caps import Caps
-from sluice.addons.failsafe import fail_closed
+from sluice.failsafe import fail_closed
 from sluice.addons.gate import redecide
 from sluice.addons.policy_source import LivePolicy, PolicySource
-from sluice.addons.refusals import noted, refusal_response
+from sluice.refusals import noted, refusal_response
 from sluice.outcome import META, Outcome, outcome_of
 from sluice.policy.reasons import Reason, Refusal
 from sluice.policy.units import size_text

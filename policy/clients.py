@@ -95,7 +95,7 @@ def _profile_for_user(policy: Policy, username: str) -> tuple[ClientProfile, str
 class PasswordCheck:
     """A password the edge must check before the client is matched: which
     verifier applies. Kept apart from `verify_password` so the edge can run the
-    slow hash off its event loop and throttle guessers (addons/identity.py)."""
+    slow hash off its event loop and throttle guessers (sluice/identity.py)."""
 
     username: str
     verifier: str | None  # None: no such user, so no password is right (nothing to hash)

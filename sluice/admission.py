@@ -96,7 +96,7 @@ class OwnHost(Protocol):
 
 class PolicyAddresses:
     """The own-host check from the policy alone (`proxy_addresses`): what
-    the CLI knows without listeners. The proxy passes addons/own_host.OWN_HOST,
+    the CLI knows without listeners. The proxy passes sluice/own_host.OWN_HOST,
     which adds the addresses it listens at."""
 
     def refusal(self, rules: Rules, proxy_addresses: frozenset[str], addresses: tuple[str, ...] | list[str],

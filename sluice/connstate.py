@@ -81,7 +81,7 @@ class ConnState:
     """One client connection's state. Addons change it through these fields
     and methods; each field says whose it is and why it is kept."""
 
-    # identity (addons/identity.py): the profile its SOCKS5 login matched, and the username
+    # identity (sluice/identity.py): the profile its SOCKS5 login matched, and the username
     socks_login: tuple[str | None, str] | None = None
     # the gate (addons/gate.py): (ip, port) -> the rules that approved it; the
     # dialer (sluice/dialer.py) admits nothing else

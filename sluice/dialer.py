@@ -8,7 +8,7 @@ handler's dials only, to `Dialer.dial`. It runs, in this order:
 1. **Pin.** Only an (IP, port) the gate approved for this client connection
    is dialled, never a name, so neither mitmproxy nor the OS resolves one
    (`pin_mismatch`).
-2. **Loop.** Not one of the proxy's own host's addresses (addons/own_host.py),
+2. **Loop.** Not one of the proxy's own host's addresses (sluice/own_host.py),
    which the gate refused when it decided; this catches an address that
    became the host's since (`proxy_loop`).
 3. **Room.** The client connection's upstream table (addons/upstreams.py)
@@ -47,9 +47,9 @@ import socket
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
-from sluice.addons import open_files
+from sluice import open_files
 from sluice.addons.audit import peer
-from sluice.addons.own_host import OWN_HOST
+from sluice.own_host import OWN_HOST
 from sluice.policy.hosts import canonical_ip
 from sluice.policy.model import Rules, UpstreamProxy
 from sluice.policy.reasons import Reason
@@ -86,7 +86,7 @@ class ParentReplyRefused(Exception):
 
 class OutOfFilesDial(OSError):
     """A dial the process had no file descriptor for (EMFILE and the like):
-    reported once (addons/open_files.py) and refused by the caps."""
+    reported once (sluice/open_files.py) and refused by the caps."""
 
 
 class Audit(Protocol):

@@ -15,9 +15,10 @@ from mitmproxy.master import Master
 from mitmproxy.utils import human
 from mitmproxy.proxy import mode_specs
 
-from sluice.addons import mitm_patches, open_files
-from sluice.addons.admin import WORKER_DIR_ENV, AdminServer, Endpoints, admin_problem, parse_admin, same_listener
-from sluice.addons.own_host import ADMIN_ENV, OWN_HOST
+from sluice.addons import mitm_patches
+from sluice import open_files
+from sluice.admin import WORKER_DIR_ENV, AdminServer, Endpoints, admin_problem, parse_admin, same_listener
+from sluice.own_host import ADMIN_ENV, OWN_HOST
 from sluice.addons.sluice_addon import make_addons
 from sluice.ca import ca_dir, ensure_ca
 from sluice.cli import EXIT_USAGE, listen_problem

@@ -13,7 +13,7 @@ them (up to --drain-timeout and a margin); a second signal is forwarded too,
 so every worker cuts what is left at once. The workers' stopping and
 stopped lines become one of each.
 
-The supervisor serves the one admin endpoint (addons/admin.py) for all
+The supervisor serves the one admin endpoint (sluice/admin.py) for all
 workers; they bind none. Each worker writes its metrics to a private
 directory (PROMETHEUS_MULTIPROC_DIR, prometheus_client's multiprocess mode)
 and its readiness and policy facts as a JSON file there; /metrics sums the
@@ -75,7 +75,7 @@ class WorkersEndpoints:
         return out
 
     def readyz(self):
-        from sluice.addons.admin import readyz
+        from sluice.admin import readyz
 
         statuses = self.statuses()
         draining = self.state["stopping"] or any(s["draining"] for s in statuses)
@@ -88,7 +88,7 @@ class WorkersEndpoints:
         return 200, CONTENT_TYPE_LATEST, generate_latest(self.registry)
 
     def policy(self):
-        from sluice.addons.admin import json_response
+        from sluice.admin import json_response
 
         workers = [{"pid": s["pid"], **(s["policy"] or {})} for s in self.statuses()]
         hashes = {w.get("sha256") for w in workers}
@@ -100,7 +100,7 @@ class WorkersEndpoints:
 
 
 def _admin_clash(admin: tuple[str, int], listen: tuple[str, int], modes: list[str]) -> bool:
-    from sluice.addons.admin import same_listener
+    from sluice.admin import same_listener
 
     addresses = [listen]
     for spec in modes:  # NAME@PORT or NAME@HOST:PORT
@@ -117,8 +117,8 @@ _CUT = re.compile(r"\((\d+) cut by shutdown\)")
 
 def supervise(count: int, worker_args: list[str], admin: str = "off", drain_timeout: float = 30.0,
               listen: tuple[str, int] = ("127.0.0.1", 0), modes: list[str] = ()) -> int:
-    from sluice.addons.admin import WORKER_DIR_ENV, AdminServer, admin_problem, parse_admin
-    from sluice.addons.own_host import ADMIN_ENV
+    from sluice.admin import WORKER_DIR_ENV, AdminServer, admin_problem, parse_admin
+    from sluice.own_host import ADMIN_ENV
 
     try:
         admin_address = parse_admin(admin)
@@ -146,7 +146,7 @@ def supervise(count: int, worker_args: list[str], admin: str = "off", drain_time
         return _supervise(count, worker_args, drain_timeout, directory, children, state, server,
                           {**os.environ, REUSE_PORT_ENV: "1", WORKER_DIR_ENV: directory,
                            "PROMETHEUS_MULTIPROC_DIR": directory,
-                           # Its workers refuse dials to it (addons/own_host.py).
+                           # Its workers refuse dials to it (sluice/own_host.py).
                            **({ADMIN_ENV: f"{admin_address[0]}:{admin_address[1]}"} if admin_address else {})})
     finally:
         if server is not None:

@@ -546,7 +546,7 @@ def test_a_dial_back_to_a_wildcard_listener_through_the_hosts_own_address_is_ref
         s, head = _raw(proc, f"GET http://8.8.8.8:{port}/loop HTTP/1.1\r\nHost: 8.8.8.8:{port}\r\nConnection: "
                              "close\r\n\r\n".encode())
         s.close()
-        # What it is (addons/own_host.py): a 403 proxy_loop and a refuse line, not a 502.
+        # What it is (sluice/own_host.py): a 403 proxy_loop and a refuse line, not a 502.
         assert head.startswith(b"HTTP/1.1 403") and b"Sluice-Reason: proxy_loop" in head, head[:200]
         line = proc.wait_audit(lambda e: e.get("reason") == "proxy_loop", since=mark, what="the proxy_loop line")
         assert line["decision"] == "refuse" and line["status"] == 403, line

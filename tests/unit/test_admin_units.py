@@ -12,7 +12,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from sluice.addons.admin import Status, parse_admin, readyz, same_listener
+from sluice.addons.status import Status
+from sluice.admin import parse_admin, readyz, same_listener
 from sluice.addons.audit import FIELDS, AuditLog
 from sluice.workers import _admin_clash
 

@@ -5,7 +5,7 @@ import asyncio
 
 from mitmproxy.test import tflow
 
-from sluice.addons.failsafe import fail_closed
+from sluice.failsafe import fail_closed
 from sluice.outcome import outcome_of
 
 
@@ -34,7 +34,7 @@ def test_sync_hooks_fail_closed_too():
 
 
 def test_refusal_bodies_survive_lone_surrogates():
-    from sluice.addons.refusals import refusal_response
+    from sluice.refusals import refusal_response
     from sluice.policy.reasons import Reason, Refusal
 
     response = refusal_response(Refusal(Reason.METHOD_NOT_ALLOWED, "the method GET\udcd1 is not allowed"))

@@ -224,7 +224,7 @@ def test_a_connect_tunnel_is_re_decided_with_its_method():
 
 
 def test_only_this_hosts_own_addresses_count_as_the_proxy():
-    from sluice.addons import own_host
+    from sluice import own_host
 
     assert own_host._is_local_address("127.0.0.1")
     assert not own_host._is_local_address("192.0.2.1")  # TEST-NET-1: never a local address here

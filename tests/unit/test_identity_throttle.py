@@ -1,4 +1,4 @@
-"""sluice.addons.identity: password checks off the event loop, only successes cached,
+"""sluice.identity: password checks off the event loop, only successes cached,
 wrong passwords throttled per address and per username (injected clock,
 verifier and sleep: nothing here waits or measures time)."""
 
@@ -12,8 +12,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from sluice.addons import identity
-from sluice.addons.identity import (
+from sluice import identity
+from sluice.identity import (
     ADDRESS_BURST,
     ADDRESS_REFILL_SECONDS,
     MAX_PENDING_CHECKS,
@@ -23,7 +23,7 @@ from sluice.addons.identity import (
     ClientIdentifier,
     FailureThrottle,
 )
-from sluice.addons.refusals import refusal_headers
+from sluice.refusals import refusal_headers
 from sluice.policy.clients import PasswordCheck, identify, throttled
 from sluice.policy.loader import hash_password, load_policy_text
 from sluice.policy.reasons import Reason
@@ -310,7 +310,7 @@ def test_throttled_refusal_is_a_407_with_retry_after():
 
 
 def test_ipv6_clients_are_throttled_by_their_64():
-    from sluice.addons.identity import _throttle_key
+    from sluice.identity import _throttle_key
 
     assert _throttle_key("2001:db8:1:2::5") == _throttle_key("2001:db8:1:2:ffff::9") == "2001:db8:1:2::/64"
     assert _throttle_key("2001:db8:1:3::5") != _throttle_key("2001:db8:1:2::5")

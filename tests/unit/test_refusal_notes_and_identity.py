@@ -17,8 +17,8 @@ from mitmproxy.test import tflow
 
 from sluice.addons import mitm_patches
 from sluice.addons.conn_release import ConnRelease
-from sluice.addons.identity import ClientIdentifier
-from sluice.addons.refusals import error_bytes
+from sluice.identity import ClientIdentifier
+from sluice.refusals import error_bytes
 from sluice.policy.clients import SECRET_PREFIX, match_client, secret_verifier, verify_password
 from sluice.policy.loader import PolicyInvalid, hash_password, load_policy_file, load_policy_text
 from sluice.policy.reasons import POLICY_SUFFIX, Reason, Refusal

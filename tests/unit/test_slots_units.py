@@ -10,7 +10,7 @@ import io
 
 import pytest
 
-from sluice.addons.open_files import LINE_EVERY_SECONDS, OutOfFiles, Reporter, is_out_of_files
+from sluice.open_files import LINE_EVERY_SECONDS, OutOfFiles, Reporter, is_out_of_files
 from sluice.policy import quotas
 from sluice.policy.loader import PolicyInvalid, load_policy_text
 from sluice.policy.model import Limits

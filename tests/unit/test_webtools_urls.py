@@ -17,7 +17,7 @@ import pytest
 from mitmproxy import http as mhttp
 
 from sluice.addons.origin_headers import strip_proxy_headers
-from sluice.addons.refusals import refusal_response, sluice_made
+from sluice.refusals import refusal_response, sluice_made
 from sluice.policy.hosts import parse_host
 from sluice.policy.reasons import Reason, Refusal
 from sluice.policy.urls import split_url

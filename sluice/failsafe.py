@@ -15,8 +15,8 @@ import logging
 from mitmproxy import http
 from mitmproxy.proxy.server_hooks import ServerConnectionHookData
 
-from sluice.addons import open_files
-from sluice.addons.refusals import answer_now, refusal_response
+from sluice import open_files
+from sluice.refusals import answer_now, refusal_response
 from sluice.outcome import META, Outcome, outcome_of
 from sluice.policy.decide import Decision
 from sluice.policy.reasons import Reason, Refusal
