@@ -1,12 +1,8 @@
 """Entry point for `mitmdump -s addons/sluice_addon.py --set sluice_policy=FILE`.
 
-`sluice proxy` loads the same list in-process. Order matters: the gate
-decides first, the redirect guard and caps act on its outcome, and the audit
-log writes last, once every cap has had its say. The origin-headers addon
-strips the proxy's own header fields from origin responses before any other
-addon reads or replaces them (addons/origin_headers.py). The credential injector
-runs right after the gate and its quotas, so after the gate's
-`strip_request_headers` and only on requests they let through.
+`sluice proxy` loads the same list in-process. mitmproxy calls each hook on
+the addons in list order, so order matters: each entry of `make_addons`'s
+list says why it sits where it does.
 """
 
 from sluice import connstate
@@ -51,9 +47,38 @@ def make_addons(*, lifecycle: bool = False, metrics: bool = False) -> list:
         operations.append(Metrics(audit, source, connstate.open_tunnels))
         on_drop = OTLP_DROPPED.inc
     operations.append(OtlpExport(audit, on_drop))  # off unless an endpoint is given (addons/otlp.py)
-    return [Guardrails(), source, ConnectionAudit(audit), ConnRelease(audit), OriginHeaders(), gate,
-            Quotas(source, audit, caps, gate), Upstreams(gate, audit), CredentialInjector(source, audit),
-            RedirectGuard(source), UpgradeGuard(caps, source), caps, HeadLimits(source, audit), audit, *operations]
+    return [
+        # Refuses unsafe mitmproxy options before any other addon runs under them.
+        Guardrails(),
+        # Loads the policy in load/configure, before any later addon reads it.
+        source,
+        # Sees mitmproxy's own refusals (its 400s, loops to its own listener) before any Sluice hook acts on the flow.
+        ConnectionAudit(audit),
+        # The one client_disconnected (no other addon has one): writes what a connection owes the log, releases it.
+        ConnRelease(audit),
+        # Strips Sluice's own signals from an origin's response before any addon reads or sets them.
+        OriginHeaders(),
+        # Decides (identity, host, pin, intercept): everything after it acts on its decision.
+        gate,
+        # Counts what the gate allowed, against the client it identified.
+        Quotas(source, audit, caps, gate),
+        # The per-connection upstream limit, asked at the dial; its hooks only keep the use order.
+        Upstreams(gate, audit),
+        # Sets credential headers after the gate stripped the client's, only on what gate and quotas let through.
+        CredentialInjector(source, audit),
+        # Checks a 3xx's Location before the caps meter the response it may replace.
+        RedirectGuard(source),
+        # Refuses or accepts an upgrade the gate allowed; an accepted WebSocket gets the caps' tunnel meters.
+        UpgradeGuard(caps, source),
+        # Meters the bodies and tunnels of what the deciders above let through.
+        caps,
+        # After every decider: drops `Expect: 100-continue` from a refused request before mitmproxy answers 100.
+        HeadLimits(source, audit),
+        # Writes the line once every addon above has had its say.
+        audit,
+        # Readiness, drain, metrics, OTLP: observers of the audit records, last.
+        *operations,
+    ]
 
 
 addons = make_addons()
