@@ -4,8 +4,9 @@ Sluice pins mitmproxy exactly (pyproject.toml: mitmproxy==12.3.1). Where
 mitmproxy offers no hook for something Sluice must enforce, a small patch
 here wraps (never copies) the mitmproxy function. Rules for this module:
 
-- one small function `_patch_<name>()` per patch, listed in PATCHES with the
-  mitmproxy functions it wraps or relies on;
+- one small function `_patch_<name>()` per patch (or, for the HTTP/1 server
+  side, one subclass installed where mitmproxy makes it), listed in PATCHES
+  with the mitmproxy functions it wraps or relies on;
 - `install()` applies every patch, once (it is idempotent; `sluice proxy` and
   addons/sluice_addon.py both call it);
 - addons reach the patches through one object, `hooks` (set with the
@@ -19,32 +20,36 @@ it answers and the upstream change that would let Sluice drop it.
 
 Patches:
 
-- `http1_head_caps` wraps `Http1Server.read_headers`. mitmproxy buffers an
-  incomplete HTTP/1 request head without bound and without a time limit
-  (its own "FIXME: protect against header size DoS"), and no addon hook runs
-  before a head is complete. The wrapper answers 431 and closes when the
-  buffered head passes `limits.max_header_bytes` with no blank line in
-  sight, or a complete head has more than `limits.max_header_count` fields
-  (the head is then never handed on: no flow, no hook, no upstream); and it
-  arms the `limits.header_timeout` deadline when a head is still incomplete
-  after a read. It tells the guard of each complete head (`head_complete`),
-  which ends the deadline a connection has from accept.
-- `http1_head_deadline` adds `Http1Server._handle_event` around the inherited
-  `Http1Connection._handle_event`: it takes the deadline's wakeup (the
-  inherited states would raise on it) and answers 408 and closes if that
-  head is still incomplete. At most one wakeup is pending per connection.
-  It also drops what a refused client still sends before the socket closes
-  (the inherited `done` state would buffer it).
-- `http1_pipeline_cap` wraps `Http1Server.wait` (inherited from
-  `Http1Connection`). While a response is pending, mitmproxy buffers
-  whatever the client sends next, without bound; past
-  `limits.max_header_bytes` the connection is closed (no answer can be sent
-  in the middle of another response).
+- `http1_server`: HttpLayer makes `SluiceHttp1Server`, a subclass of
+  mitmproxy's `Http1Server`, for every HTTP/1 client connection; it holds
+  its own per-connection state, and its three overrides list its checks in
+  the order they apply:
+  - the head caps (`http1_head_caps`): mitmproxy buffers an incomplete
+    HTTP/1 request head without bound and without a time limit (its own
+    "FIXME: protect against header size DoS"), and no addon hook runs
+    before a head is complete. It answers 431 and closes when the buffered
+    head passes `limits.max_header_bytes` with no blank line in sight, or a
+    complete head has more than `limits.max_header_count` fields (the head
+    is then never handed on: no flow, no hook, no upstream); and it arms the
+    `limits.header_timeout` deadline when a head is still incomplete after
+    a read. It tells the guard of each complete head (`head_complete`),
+    which ends the deadline a connection has from accept.
+  - the head deadline (`http1_head_deadline`): it takes the deadline's
+    wakeup (the inherited states would raise on it) and answers 408 and
+    closes if that head is still incomplete. At most one wakeup is pending
+    per connection. It also drops what a refused client still sends before
+    the socket closes (the inherited `done` state would buffer it).
+  - the pipelining cap (`http1_pipeline_cap`): while a response is
+    pending, mitmproxy buffers whatever the client sends next, without
+    bound; past `limits.max_header_bytes` the connection is closed (no
+    answer can be sent in the middle of another response).
+  - leading empty lines (`http1_leading_blank_lines`), the unparseable
+    head's 400 (`http1_bad_head`) and mitmproxy's error pages
+    (`http1_error_pages`): see their sections below.
 
-- `refused_body_discard`, `http1_leading_blank_lines`, `http1_framing_caps`:
-  see their sections below (a refused request's body is never buffered;
-  empty lines before a request line are skipped; an origin's response head
-  and chunk-size/trailer lines are capped like request heads).
+- `refused_body_discard`, `http1_framing_caps`: see their sections below (a
+  refused request's body is never buffered; an origin's response head and
+  chunk-size/trailer lines are capped like request heads).
 - `cancelled_handler_close`: a connection handler cancelled while waiting for
   the server-event lock closes its socket too (see its section).
 - `dial_check` wraps `ConnectionHandler.open_connection` and, for the task
@@ -53,8 +58,8 @@ Patches:
   connection is dialled, never a name (see its section).
 
 - `http1_error_pages` marks mitmproxy's own HTML error pages
-  (`make_error_response`) and replaces them, where `Http1Server` hands its
-  commands on, with Sluice's answer (see its section).
+  (`make_error_response`); `SluiceHttp1Server` replaces them, where it hands
+  its commands on, with Sluice's answer (see its section).
 - `socks5_login` wraps the SOCKS5 greeting (`Socks5Proxy.state`): a client
   offering username/password is asked for it, so it can be identified (see
   its section).
@@ -151,21 +156,8 @@ class HeadDeadline(commands.RequestWakeup):
     """The header_timeout wakeup a Http1Server asks for (told apart from others)."""
 
 
-def _set(owner: type, name: str, wrapper, original, marker: str) -> None:
-    """Install `wrapper` (around `original`, what owner.name is now) unless
-    this patch (`marker`) is already somewhere in owner.name's wrappers."""
-    seen = owner.__dict__.get(name)
-    while seen is not None:
-        if getattr(seen, marker, False):
-            return
-        seen = getattr(seen, "__wrapped__", None)
-    wrapper.__wrapped__ = original  # inspect.unwrap finds mitmproxy's function
-    wrapper.__sluice_patch__ = True
-    setattr(wrapper, marker, True)
-    setattr(owner, name, wrapper)
-
-
-# ---- http1_head_caps, http1_head_deadline, http1_pipeline_cap ---------------
+# ---- http1_server: http1_head_caps, http1_head_deadline, http1_pipeline_cap, http1_bad_head,
+# http1_leading_blank_lines, http1_error_pages (the Http1Server subclass) ---------------
 
 
 def _head_ends_within(buf: ReceiveBuffer, limit: int) -> bool:
@@ -177,119 +169,202 @@ def _head_ends_within(buf: ReceiveBuffer, limit: int) -> bool:
     return _BLANK_LINE.search(data, start, limit) is not None
 
 
-def _refuse_head(self: Http1Server, guard: HeadGuard, problem: str, limits: Limits):
-    self.state = self.done
-    self.buf = ReceiveBuffer()
-    self._sluice_refused = True  # what the client still sends is dropped, not buffered
-    self._sluice_head_deadline = None
-    raw = guard.refuse_head(self.conn, problem, limits)
-    if raw:
-        yield commands.SendData(self.conn, raw)
-    yield commands.CloseConnection(self.conn)
+class SluiceHttp1Server(Http1Server):
+    """mitmproxy's HTTP/1 server side (the client's end of every HTTP/1
+    connection: the front door and inside intercepted tunnels) with Sluice's
+    request-head checks, holding its own state. mitmproxy's methods run
+    unchanged inside the overrides, which say in one place in which order
+    the checks apply:
 
+    - `read_headers`: leading empty lines dropped (http1_leading_blank_lines),
+      then mitmproxy's own 400 for an unparseable head told to the refusal
+      listener (http1_bad_head), then the head size, field count and
+      deadline (http1_head_caps), then mitmproxy's parser;
+    - `_handle_event`: mitmproxy's error pages replaced by Sluice's answer
+      (http1_error_pages), the head deadline's wakeup and a refused client's
+      late bytes (http1_head_deadline), then mitmproxy's handling;
+    - `wait`: the pipelining cap (http1_pipeline_cap), then mitmproxy's.
 
-def _arm_deadline(self: Http1Server, timeout: float):
-    """After a read: a head still incomplete gets a deadline, counted from
-    the read that started it; a completed head drops it."""
-    if self.state != self.read_headers or not self.buf:
-        self._sluice_head_deadline = None
-        return
-    if getattr(self, "_sluice_head_deadline", None) is None:
-        self._sluice_head_deadline = _clock() + timeout
-        if not getattr(self, "_sluice_wakeup_pending", False):
-            self._sluice_wakeup_pending = True
-            yield HeadDeadline(timeout)
+    Installed by `_install_http1_server` where HttpLayer makes the client's
+    HTTP/1 connection layer; with no head guard set it behaves as shipped."""
 
+    def __init__(self, context) -> None:
+        super().__init__(context)
+        self.head_deadline: float | None = None  # when the head being read must be complete
+        self.wakeup_pending = False  # at most one HeadDeadline wakeup is asked for at a time
+        self.refused = False  # refused and closing: what the client still sends is dropped
+        self.blank_bytes = 0  # leading empty lines dropped before the head being read
 
-def _patch_http1_head_caps() -> None:
-    original = Http1Server.read_headers
+    # ---- read_headers ---------------------------------------------------------
 
     def read_headers(self, event):
+        if isinstance(event, events.DataReceived):
+            self._drop_leading_blank_lines()
+        listener = hooks.refusal_listener
+        if listener is None:
+            return (yield from self._read_capped_head(event))
+        # mitmproxy's own 400 for a head it cannot parse, with no request (so
+        # no flow and no hook): a 400 sent, no RequestHeaders, and the error
+        # logged as "<peer>: <error>".
+        answered_400 = parsed = False
+        logged = ""
+        for command in self._read_capped_head(event):  # Http1Server yields no blocking commands
+            if (isinstance(command, commands.SendData) and command.connection is self.conn
+                    and command.data.startswith(b"HTTP/1.1 400 ")):
+                answered_400 = True
+            elif isinstance(command, ReceiveHttp) and isinstance(command.event, RequestHeaders):
+                parsed = True
+            elif isinstance(command, commands.Log):
+                logged = command.message
+            yield command
+        if answered_400 and not parsed:
+            listener.client_refused(self.conn, HTTP_BAD_HEAD, logged.partition(": ")[2] or logged,
+                                    in_tunnel=_in_intercepted_tunnel(self))
+
+    def _drop_leading_blank_lines(self) -> None:
+        """RFC 9112 2.2: empty lines before a request line are ignored, all of
+        them at once (h11 drops one per read), up to max_header_bytes of them
+        per head; past that they stay and the head size cap refuses."""
+        data = self.buf._data
+        skip = 0
+        while True:
+            if data[skip:skip + 2] == b"\r\n":
+                skip += 2
+            elif data[skip:skip + 1] == b"\n":
+                skip += 1
+            else:
+                break
+        limits = hooks.head_guard.head_limits() if hooks.head_guard is not None else None
+        seen = self.blank_bytes + skip
+        if skip and (limits is None or seen <= limits.max_header_bytes):
+            self.buf.maybe_extract_at_most(skip)
+        self.blank_bytes = seen if not self.buf else 0
+
+    def _read_capped_head(self, event):
         guard = hooks.head_guard
         limits = guard.head_limits() if guard is not None else None
-        if limits is None or not isinstance(event, events.DataReceived):
-            return (yield from original(self, event))
+        if guard is None or limits is None or not isinstance(event, events.DataReceived):
+            return (yield from super().read_headers(event))
         if len(self.buf) > limits.max_header_bytes and not _head_ends_within(self.buf, limits.max_header_bytes):
-            return (yield from _refuse_head(self, guard, HEAD_TOO_LARGE, limits))
-        parsing = original(self, event)
+            return (yield from self._refuse_head(guard, HEAD_TOO_LARGE, limits))
+        parsing = super().read_headers(event)
         for command in parsing:  # Http1Server yields no blocking commands: nothing is sent back
             if isinstance(command, ReceiveHttp) and isinstance(command.event, RequestHeaders):
                 if len(command.event.request.headers.fields) > limits.max_header_count:
                     parsing.close()
-                    return (yield from _refuse_head(self, guard, TOO_MANY_FIELDS, limits))
+                    return (yield from self._refuse_head(guard, TOO_MANY_FIELDS, limits))
                 complete = getattr(guard, "head_complete", None)
                 if complete is not None:
                     complete(self.conn)  # the deadline from accept is met
             yield command
-        yield from _arm_deadline(self, limits.header_timeout)
-        if getattr(self, "_sluice_head_deadline", None) is not None:
+        yield from self._arm_deadline(limits.header_timeout)
+        if self.head_deadline is not None:
             # A head has started: its own deadline (from its first byte) takes
             # over from the one since accept, so one late head is one refusal.
             complete = getattr(guard, "head_complete", None)
             if complete is not None:
                 complete(self.conn)
 
-    _set(Http1Server, "read_headers", read_headers, original, "__sluice_http1_head_caps__")
+    def _arm_deadline(self, timeout: float):
+        """After a read: a head still incomplete gets a deadline, counted from
+        the read that started it; a completed head drops it."""
+        if self.state != self.read_headers or not self.buf:
+            self.head_deadline = None
+            return
+        if self.head_deadline is None:
+            self.head_deadline = _clock() + timeout
+            if not self.wakeup_pending:
+                self.wakeup_pending = True
+                yield HeadDeadline(timeout)
 
+    def _refuse_head(self, guard: HeadGuard, problem: str, limits: Limits):
+        self.state = self.done
+        self.buf = ReceiveBuffer()
+        self.refused = True
+        self.head_deadline = None
+        raw = guard.refuse_head(self.conn, problem, limits)
+        if raw:
+            yield commands.SendData(self.conn, raw)
+        yield commands.CloseConnection(self.conn)
 
-def _patch_http1_head_deadline() -> None:
-    original = Http1Connection._handle_event
+    # ---- _handle_event --------------------------------------------------------
 
     def _handle_event(self, event):
-        if isinstance(event, events.DataReceived) and getattr(self, "_sluice_refused", False):
+        steps = self._handle_deadline(event)
+        reply = None
+        while True:  # like `yield from`, replacing mitmproxy's error pages as they go by
+            try:
+                command = steps.send(reply)
+            except StopIteration as done:
+                return done.value
+            listener = hooks.refusal_listener
+            if (isinstance(command, commands.SendData) and isinstance(command.data, ErrorPage)
+                    and listener is not None and hasattr(listener, "error_page")):
+                page = command.data
+                raw = listener.error_page(self.conn, page.status, page.message, in_tunnel=_in_intercepted_tunnel(self))
+                if raw:
+                    command = commands.SendData(command.connection, raw)
+            reply = yield command
+
+    def _handle_deadline(self, event):
+        if isinstance(event, events.DataReceived) and self.refused:
             return  # refused and closing: the inherited `done` state would buffer it
         if not (isinstance(event, events.Wakeup) and isinstance(event.command, HeadDeadline)):
-            return (yield from original(self, event))
-        self._sluice_wakeup_pending = False
-        deadline = getattr(self, "_sluice_head_deadline", None)
+            return (yield from super()._handle_event(event))
+        self.wakeup_pending = False
         guard = hooks.head_guard
         limits = guard.head_limits() if guard is not None else None
-        if deadline is None or limits is None or self.state != self.read_headers:
+        if guard is None or self.head_deadline is None or limits is None or self.state != self.read_headers:
             return  # that head completed (or the connection moved on)
-        remaining = deadline - _clock()
+        remaining = self.head_deadline - _clock()
         if remaining > 0.001:  # a later head: its deadline is still ahead
-            self._sluice_wakeup_pending = True
+            self.wakeup_pending = True
             yield HeadDeadline(remaining)
             return
-        yield from _refuse_head(self, guard, HEAD_TIMEOUT, limits)
+        yield from self._refuse_head(guard, HEAD_TIMEOUT, limits)
 
-    _set(Http1Server, "_handle_event", _handle_event, original, "__sluice_http1_head_deadline__")
-
-
-def _patch_http1_pipeline_cap() -> None:
-    original = Http1Connection.wait
+    # ---- wait -----------------------------------------------------------------
 
     def wait(self, event):
         guard = hooks.head_guard
         limits = guard.head_limits() if guard is not None else None
-        if limits is None or not isinstance(event, events.DataReceived) or len(self.buf) <= limits.max_header_bytes:
-            return (yield from original(self, event))
+        if (guard is None or limits is None or not isinstance(event, events.DataReceived)
+                or len(self.buf) <= limits.max_header_bytes):
+            return (yield from super().wait(event))
         stream_id = self.stream_id
-        yield from _refuse_head(self, guard, PIPELINED_TOO_MUCH, limits)
+        yield from self._refuse_head(guard, PIPELINED_TOO_MUCH, limits)
         yield ReceiveHttp(RequestProtocolError(
             stream_id, f"the client sent more than {limits.max_header_bytes} bytes ahead while a response was pending",
             code=ErrorCode.CLIENT_DISCONNECTED,
         ))
 
-    _set(Http1Server, "wait", wait, original, "__sluice_http1_pipeline_cap__")
+
+def _install_http1_server() -> None:
+    """HttpLayer makes the client's HTTP/1 layer by looking `Http1Server` up in
+    its module when it starts: that name is where the subclass goes in."""
+    from mitmproxy.proxy.layers import http as http_layers
+
+    http_layers.Http1Server = SluiceHttp1Server
 
 
 # name -> (the patch, the mitmproxy functions whose source it depends on)
 PATCHES = {
-    "http1_head_caps": (_patch_http1_head_caps, (
+    # One entry for the subclass: its checks are told apart in its docstring.
+    "http1_server": (_install_http1_server, (
+        "mitmproxy.proxy.layers.http:HttpLayer._handle_event",
+        "mitmproxy.proxy.layers.http._http1:Http1Server.__init__",
         "mitmproxy.proxy.layers.http._http1:Http1Server.read_headers",
+        "mitmproxy.proxy.layers.http._http1:Http1Server.send",
+        "mitmproxy.proxy.layers.http._http1:Http1Server.mark_done",
         "mitmproxy.proxy.layers.http._http1:Http1Connection.start",
         "mitmproxy.proxy.layers.http._http1:Http1Connection.mark_done",
-        "mitmproxy.proxy.layers.http._http1:Http1Server.mark_done",
-        "h11._receivebuffer:ReceiveBuffer.maybe_extract_lines",
-    )),
-    "http1_head_deadline": (_patch_http1_head_deadline, (
         "mitmproxy.proxy.layers.http._http1:Http1Connection._handle_event",
+        "mitmproxy.proxy.layers.http._http1:Http1Connection.wait",
+        "mitmproxy.proxy.layers.http._http1:make_error_response",
         "mitmproxy.proxy.layers.http:HttpLayer.event_to_child",
         "mitmproxy.proxy.server:ConnectionHandler.wakeup",
-    )),
-    "http1_pipeline_cap": (_patch_http1_pipeline_cap, (
-        "mitmproxy.proxy.layers.http._http1:Http1Connection.wait",
+        "h11._receivebuffer:ReceiveBuffer.maybe_extract_lines",
+        "h11._receivebuffer:ReceiveBuffer.maybe_extract_at_most",
     )),
 }
 
@@ -320,6 +395,13 @@ RELIED_ON["connection_handler"] = (
     "mitmproxy.proxy.server:ConnectionHandler.__init__",
     "mitmproxy.proxy.server:ConnectionHandler.close_connection",
     "mitmproxy.proxy.server:TimeoutWatchdog.watch",
+    # idle_http1_servers walks the layer tree: HttpLayer's connections and
+    # streams, a NextLayer's chosen layer, a CONNECT stream's child layer,
+    # and an Http1Client between exchanges (no stream id, reading headers).
+    "mitmproxy.proxy.layers.http:HttpLayer.__init__",
+    "mitmproxy.proxy.layer:NextLayer._ask",
+    "mitmproxy.proxy.layers.http:HttpStream.handle_connect_finish",
+    "mitmproxy.proxy.layers.http._http1:Http1Client.send",
 )
 # addons/connection_audit.py reads mitmproxy's own refusal texts to tell its
 # refusals apart (the invalid-request 400s, the failed CONNECT's 502, a head
@@ -355,9 +437,10 @@ def install() -> None:
 # head it cannot parse (400 from `Http1Server.read_headers`, no flow), and an
 # origin-form request with no Host header (400 from
 # `HttpStream.state_wait_for_request_headers`, a flow but no hook). These
-# wrappers tell a listener (addons/connection_audit.py, via
-# `set_refusal_listener`) so every refusal has its audit line; what mitmproxy
-# sends the client is unchanged. Without a listener they only pass through.
+# wrappers (for the head: SluiceHttp1Server.read_headers) tell a listener
+# (addons/connection_audit.py, via `set_refusal_listener`) so every refusal
+# has its audit line; what mitmproxy sends the client is unchanged. Without
+# a listener they only pass through.
 
 SOCKS5_REFUSED = "socks5"  # message: mitmproxy's; data: the handshake bytes it refused
 HTTP_BAD_HEAD = "http_head"  # message: mitmproxy's parse error; data: b""
@@ -406,35 +489,6 @@ def _patch_socks5_refusals() -> None:
     _wrap_once(Socks5Proxy, "socks_err", "__sluice_socks5_refusals__", make)
 
 
-def _patch_http1_bad_head() -> None:
-    from mitmproxy.proxy.layers.http import HttpLayer, HTTPMode
-
-    def make(original):
-        def read_headers(self, event):
-            listener = hooks.refusal_listener
-            if listener is None:
-                return (yield from original(self, event))
-            # mitmproxy's own 400 for a head it cannot parse, with no request
-            # (so no flow and no hook): a 400 sent, no RequestHeaders, and the
-            # error logged as "<peer>: <error>".
-            answered_400 = parsed = False
-            logged = ""
-            for command in original(self, event):  # Http1Server yields no blocking commands
-                if isinstance(command, commands.SendData) and command.connection is self.conn and command.data.startswith(b"HTTP/1.1 400 "):
-                    answered_400 = True
-                elif isinstance(command, ReceiveHttp) and isinstance(command.event, RequestHeaders):
-                    parsed = True
-                elif isinstance(command, commands.Log):
-                    logged = command.message
-                yield command
-            if answered_400 and not parsed:
-                in_tunnel = any(isinstance(l, HttpLayer) and l.mode is HTTPMode.transparent for l in self.context.layers)
-                listener.client_refused(self.conn, HTTP_BAD_HEAD, logged.partition(": ")[2] or logged, in_tunnel=in_tunnel)
-        return read_headers
-
-    _wrap_once(Http1Server, "read_headers", "__sluice_http1_bad_head__", make)
-
-
 def _patch_http_no_destination() -> None:
     from mitmproxy.proxy.layers.http import HttpStream, ResponseProtocolError, SendHttp
 
@@ -464,11 +518,6 @@ PATCHES.update({
         "mitmproxy.proxy.layers.modes:Socks5Proxy.state_greet",
         "mitmproxy.proxy.layers.modes:Socks5Proxy.state_auth",
         "mitmproxy.proxy.layers.modes:Socks5Proxy.state_connect",
-    )),
-    # Wraps whatever read_headers is by then (http1_head_caps's wrapper).
-    "http1_bad_head": (_patch_http1_bad_head, (
-        "mitmproxy.proxy.layers.http._http1:Http1Server.read_headers",
-        "mitmproxy.proxy.layers.http._http1:make_error_response",
     )),
     "http_no_destination": (_patch_http_no_destination, (
         "mitmproxy.proxy.layers.http:HttpStream.state_wait_for_request_headers",
@@ -541,7 +590,7 @@ PATCHES["dial_check"] = (_patch_dial_check, (
 # an HTML page with `Server: mitmproxy` (`make_error_response`, called from
 # `Http1Server.read_headers` and `Http1Server.send`). The patch marks those
 # pages (a bytes subclass carrying status and message) and, where
-# Http1Server hands its commands on, asks the listener
+# SluiceHttp1Server hands its commands on, asks the listener
 # (addons/connection_audit.py, `error_page`) for Sluice's answer instead: the
 # same status where the audit line records it, `Sluice-Reason`, the sentence,
 # plain text. Without a listener (or when it returns nothing) mitmproxy's
@@ -566,48 +615,27 @@ def _in_intercepted_tunnel(layer_) -> bool:
 
 
 def _patch_http1_error_pages() -> None:
+    """Marks mitmproxy's pages; SluiceHttp1Server._handle_event replaces them."""
     from mitmproxy.proxy.layers.http import _http1
 
-    if not getattr(_http1.make_error_response, "__sluice_http1_error_pages__", False):
-        shipped = _http1.make_error_response
+    if getattr(_http1.make_error_response, "__sluice_http1_error_pages__", False):
+        return
+    shipped = _http1.make_error_response
 
-        @functools.wraps(shipped)
-        def make_error_response(status_code: int, message: str = "") -> bytes:
-            page = ErrorPage(shipped(status_code, message))
-            page.status, page.message = status_code, message
-            return page
+    @functools.wraps(shipped)
+    def make_error_response(status_code: int, message: str = "") -> bytes:
+        page = ErrorPage(shipped(status_code, message))
+        page.status, page.message = status_code, message
+        return page
 
-        make_error_response.__sluice_http1_error_pages__ = True
-        _http1.make_error_response = make_error_response  # both callers look it up in the module
-
-    def make(original):
-        def _handle_event(self, event):
-            steps = original(self, event)
-            reply = None
-            while True:  # like `yield from`, replacing mitmproxy's pages as they go by
-                try:
-                    command = steps.send(reply)
-                except StopIteration as done:
-                    return done.value
-                listener = hooks.refusal_listener
-                if (isinstance(command, commands.SendData) and isinstance(command.data, ErrorPage)
-                        and listener is not None and hasattr(listener, "error_page")):
-                    page = command.data
-                    raw = listener.error_page(self.conn, page.status, page.message, in_tunnel=_in_intercepted_tunnel(self))
-                    if raw:
-                        command = commands.SendData(command.connection, raw)
-                reply = yield command
-        return _handle_event
-
-    # Wraps whatever _handle_event is by then (http1_head_deadline's wrapper).
-    _wrap_once(Http1Server, "_handle_event", "__sluice_http1_error_pages__", make)
+    make_error_response.__sluice_http1_error_pages__ = True
+    _http1.make_error_response = make_error_response  # both callers look it up in the module
 
 
 PATCHES["http1_error_pages"] = (_patch_http1_error_pages, (
     "mitmproxy.proxy.layers.http._http1:make_error_response",
     "mitmproxy.proxy.layers.http._http1:Http1Server.send",
     "mitmproxy.proxy.layers.http._http1:Http1Server.read_headers",
-    "mitmproxy.proxy.layers.http._http1:Http1Connection._handle_event",
 ))
 
 
@@ -679,49 +707,6 @@ def _patch_refused_body_discard() -> None:
 PATCHES["refused_body_discard"] = (_patch_refused_body_discard, (
     "mitmproxy.proxy.layers.http:HttpStream.state_consume_request_body",
     "mitmproxy.proxy.layers.http:HttpStream.state_wait_for_request_headers",
-))
-
-
-# ---- http1_leading_blank_lines ----------------------------------------------
-#
-# RFC 9112 2.2: a server should ignore empty lines received before a request
-# line. h11's `ReceiveBuffer.maybe_extract_lines` consumes one such line per
-# call and reports "no head yet", and `Http1Server.read_headers` calls it
-# once per read: a request sent in one packet after a CRLF would wait,
-# unparsed, for bytes the client never sends. Leading empty lines are dropped
-# before the head is read, up to max_header_bytes of them per head (beyond
-# that the head size cap refuses the connection).
-
-def _patch_http1_leading_blank_lines() -> None:
-    def make(original):
-        def read_headers(self, event):
-            if isinstance(event, events.DataReceived):
-                data = self.buf._data
-                skip = 0
-                while True:
-                    if data[skip:skip + 2] == b"\r\n":
-                        skip += 2
-                    elif data[skip:skip + 1] == b"\n":
-                        skip += 1
-                    else:
-                        break
-                limits = hooks.head_guard.head_limits() if hooks.head_guard is not None else None
-                seen = getattr(self, "_sluice_blank_bytes", 0) + skip
-                if skip and (limits is None or seen <= limits.max_header_bytes):
-                    # Past max_header_bytes of them, they stay and the head
-                    # size cap refuses the connection.
-                    self.buf.maybe_extract_at_most(skip)
-                self._sluice_blank_bytes = seen if not self.buf else 0
-            return (yield from original(self, event))
-        return read_headers
-
-    _wrap_once(Http1Server, "read_headers", "__sluice_http1_leading_blank_lines__", make)
-
-
-PATCHES["http1_leading_blank_lines"] = (_patch_http1_leading_blank_lines, (
-    "mitmproxy.proxy.layers.http._http1:Http1Server.read_headers",
-    "h11._receivebuffer:ReceiveBuffer.maybe_extract_lines",
-    "h11._receivebuffer:ReceiveBuffer.maybe_extract_at_most",
 ))
 
 

@@ -27,6 +27,8 @@ from sluice.policy.model import Limits
 # sha256 (first 16 hex digits) of inspect.getsource() of every mitmproxy
 # function a patch wraps or relies on, as shipped in MITMPROXY_VERSION.
 RECORDED = {
+    "mitmproxy.proxy.layers.http:HttpLayer._handle_event": "6ba31883cc7a06b3",
+    "mitmproxy.proxy.layers.http._http1:Http1Server.__init__": "508efbb58d5dead1",
     "mitmproxy.proxy.layers.http._http1:Http1Server.read_headers": "3fe0945216bcf7bc",
     "mitmproxy.proxy.layers.http._http1:Http1Connection.start": "888ce41383823cf2",
     "mitmproxy.proxy.layers.http._http1:Http1Connection.mark_done": "dc5ed395ce4f0763",
@@ -73,6 +75,10 @@ RECORDED = {
     "mitmproxy.proxy.layers.http:HttpLayer.get_connection": "1aa1c63e3175766c",
     "mitmproxy.proxy.layers.http:HttpClient._handle_event": "bc1cae775a49a4fe",
     "mitmproxy.addons.proxyserver:Proxyserver.register_connection": "d79bb91554a8bda2",
+    "mitmproxy.proxy.layers.http:HttpLayer.__init__": "1ece202e595d103e",
+    "mitmproxy.proxy.layer:NextLayer._ask": "4d8ace76d8488336",
+    "mitmproxy.proxy.layers.http:HttpStream.handle_connect_finish": "eb3a0054cb5b716e",
+    "mitmproxy.proxy.layers.http._http1:Http1Client.send": "35d961e20d481204",
     "mitmproxy.proxy.server:ConnectionHandler.__init__": "ffb8e6c9e6c6d020",
     "mitmproxy.proxy.server:ConnectionHandler.close_connection": "c0d10cc05dd65b80",
     "mitmproxy.proxy.server:TimeoutWatchdog.watch": "eee8e7085dba9250",
@@ -130,14 +136,17 @@ def test_every_recorded_function_is_still_depended_on():
 
 
 def test_install_is_idempotent():
+    from mitmproxy.proxy.layers import http as http_layers
+    from mitmproxy.proxy.layers.http import _http1
+
     mitm_patches.install()
-    first = Http1Server.__dict__["read_headers"], Http1Server.__dict__["_handle_event"], Http1Server.__dict__["wait"]
+    first = http_layers.Http1Server, _http1.make_error_response
     mitm_patches.install()
     for patch, _ in mitm_patches.PATCHES.values():
         patch()  # even called directly, a patch never wraps itself twice
-    assert (Http1Server.__dict__["read_headers"], Http1Server.__dict__["_handle_event"],
-            Http1Server.__dict__["wait"]) == first
-    assert inspect.unwrap(Http1Server.read_headers) is not Http1Server.read_headers
+    assert (http_layers.Http1Server, _http1.make_error_response) == first
+    assert http_layers.Http1Server is mitm_patches.SluiceHttp1Server  # what HttpLayer makes for HTTP/1 clients
+    assert Http1Server.__dict__["read_headers"] is inspect.unwrap(Http1Server.read_headers)  # mitmproxy's, unwrapped
 
 
 # ---- the behaviour, through a real Http1Server ---------------------------------
@@ -177,7 +186,7 @@ def guard(monkeypatch):
 
 def make_server() -> tuple[Http1Server, connection.Client]:
     client = connection.Client(peername=("192.0.2.1", 40000), sockname=("127.0.0.1", 8080), timestamp_start=time.time())
-    server = Http1Server(Context(client, options.Options()))
+    server = mitm_patches.SluiceHttp1Server(Context(client, options.Options()))
     assert list(server.handle_event(events.Start())) == []
     return server, client
 

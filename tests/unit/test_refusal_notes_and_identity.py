@@ -52,7 +52,7 @@ def listener(monkeypatch):
 
 def _server() -> tuple[Http1Server, connection.Client]:
     client = connection.Client(peername=("192.0.2.1", 40000), sockname=("127.0.0.1", 8080), timestamp_start=time.time())
-    server = Http1Server(Context(client, options.Options()))
+    server = mitm_patches.SluiceHttp1Server(Context(client, options.Options()))
     assert list(server.handle_event(events.Start())) == []
     return server, client
 
