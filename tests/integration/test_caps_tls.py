@@ -22,6 +22,7 @@ import pytest
 
 from harness import default_policy
 from harness.http import read_request_head
+from harness.loops import stop_loop_thread
 
 pytestmark = pytest.mark.netns
 
@@ -73,10 +74,9 @@ class SpecialOrigin:
             s.close()
         if self.blackhole:
             self.blackhole.close()
-        for server in self.servers:
-            self.loop.call_soon_threadsafe(server.close)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(5)
+        # Handlers still waiting (a hanging response, a kept-alive connection)
+        # are cancelled and finish on the running loop, not at garbage collection.
+        stop_loop_thread(self.loop, self.thread, self.servers)
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
         try:
