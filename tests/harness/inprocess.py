@@ -1,0 +1,244 @@
+"""Sluice's addons in process, for hook tests: no proxy, no sockets.
+
+`InProcess` wires the addons the way addons/sluice_addon.py's make_addons
+does (the ones these tests drive, in the same order) under mitmproxy's own
+test master (`mitmproxy.test.taddons`), and `hook(...)` runs one mitmproxy
+hook through all of them with mitmproxy's own dispatch, as the proxy would.
+An addon that raises fails the test (mitmproxy would only log it).
+
+What stands in for the rest of the proxy:
+- the policy source: a fixed policy and a static DNS table (`reload()`
+  swaps the policy and tells the addons, as a SIGHUP does);
+- the audit log: the real AuditLog, its lines kept in `lines`;
+- mitmproxy's proxyserver: `connect()` gives each client connection a fake
+  connection handler whose client socket records what is written to it and
+  whether it was closed (addons/connections.py reaches them by client id);
+- time: quotas take `clock` (a `Clock`); the event loop's timers (request
+  and tunnel deadlines, the drain's wait) are advanced with
+  `advance_loop(loop, seconds)`, never slept for.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Iterable
+from types import SimpleNamespace
+from typing import Any
+
+from mitmproxy import connection, hooks
+from mitmproxy.proxy import mode_specs
+from mitmproxy.proxy.server_hooks import ClientConnectedHook, ClientDisconnectedHook
+from mitmproxy.test import taddons, tflow
+
+from sluice import connstate
+from sluice.addons import mitm_patches
+from sluice.addons.audit import AuditLog
+from sluice.addons.caps import Caps
+from sluice.addons.conn_release import ConnRelease
+from sluice.addons.connection_audit import ConnectionAudit
+from sluice.addons.drain import Drain
+from sluice.addons.gate import EgressGate
+from sluice.addons.head_limits import HeadLimits
+from sluice.addons.quotas import Quotas
+from sluice.addons.upgrades import UpgradeGuard
+from sluice.addons.upstreams import Upstreams
+from sluice.policy.loader import load_policy_text
+from sluice.policy.model import Policy
+from sluice.policy.quotas import MemoryCounters
+from sluice.resolver import StaticResolver
+
+
+class Clock:
+    """A clock the test moves: quotas' `clock`, and the event loop's time (`advance_loop`)."""
+
+    def __init__(self, now: float = 1000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+async def advance_loop(seconds: float) -> None:
+    """Move the running event loop's clock on by `seconds` and run what falls
+    due (call_later timers), without waiting that long."""
+    loop = asyncio.get_running_loop()
+    offset = getattr(loop, "_sluice_offset", 0.0) + seconds
+    if not hasattr(loop, "_sluice_offset"):
+        real = loop.time
+        loop.time = lambda: real() + loop._sluice_offset  # type: ignore[method-assign]
+    loop._sluice_offset = offset  # type: ignore[attr-defined]
+    for _ in range(3):  # timers that fall due, and what they schedule with call_soon
+        await asyncio.sleep(0)
+
+
+class ClientSocket:
+    """The client side of a fake connection handler: what was written, and whether it was closed."""
+
+    def __init__(self) -> None:
+        self.sent = bytearray()
+        self.closed = False
+        self.transport = SimpleNamespace(abort=self.close)
+
+    def write(self, data: bytes) -> None:
+        assert not self.closed, "wrote to a closed client socket"
+        self.sent += data
+
+    def close(self) -> None:
+        self.closed = True
+
+    def is_closing(self) -> bool:
+        return self.closed
+
+
+class FakeHandler:
+    """What addons/connections.py reaches for one client connection: its transports, its close, its watchdog."""
+
+    def __init__(self, client: connection.Client) -> None:
+        self.client = client
+        self.socket = ClientSocket()
+        self.transports: dict[Any, Any] = {client: SimpleNamespace(writer=self.socket, handler=object())}
+        self.closed: list[Any] = []
+        self.timeout_watchdog = SimpleNamespace(timeout=None)
+
+    def close_connection(self, conn: Any) -> None:
+        self.closed.append(conn)
+        io = self.transports.get(conn)
+        if io is not None and io.writer is not None:
+            io.writer.close()
+
+
+class FakeProxyserver:
+    """mitmproxy's proxyserver addon as addons/connections.py and addons/drain.py see it."""
+
+    name = "proxyserver"
+
+    def __init__(self) -> None:
+        self.connections: dict[str, FakeHandler] = {}
+        self.servers: list[Any] = []
+
+
+class PolicySourceStandIn:
+    """The live policy and its resolver; `reload` tells the addons, as PolicySource does."""
+
+    def __init__(self, policy: Policy, dns: dict[str, list[str]]) -> None:
+        self.resolver = StaticResolver(dns)
+        self.current = SimpleNamespace(policy=policy, resolver=self.resolver, generation=1)
+        self.callbacks: list[Any] = []
+        self.poll_seconds = 0
+
+    def on_reload(self, callback: Any) -> None:
+        self.callbacks.append(callback)
+
+    def reload(self, policy: Policy) -> None:
+        self.current = SimpleNamespace(policy=policy, resolver=self.resolver, generation=self.current.generation + 1)
+        for callback in self.callbacks:
+            callback(self.current)
+
+
+def policy(text: str) -> Policy:
+    return load_policy_text(text, "hooks.yaml")
+
+
+class _AddonErrors(logging.Handler):
+    """mitmproxy logs an addon's exception ("Addon error") and goes on; here it fails the test."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.ERROR)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+class InProcess:
+    def __init__(self, policy_text: str = "version: 1\n", dns: dict[str, list[str]] | None = None,
+                 clock: Clock | None = None) -> None:
+        self.lines: list[dict] = []
+        self.audit = AuditLog()
+        self.audit.write = lambda **record: self.lines.append(record)  # type: ignore[method-assign]
+        self.source = PolicySourceStandIn(policy(policy_text), dns or {})
+        self.clock = clock or Clock()
+        self.counters = MemoryCounters()
+        self.drained: list[bool] = []
+        self.proxyserver = FakeProxyserver()
+        self.connection_audit = ConnectionAudit(self.audit)
+        self.release = ConnRelease(self.audit)
+        self.caps = Caps(self.source, self.audit)
+        self.gate = EgressGate(self.source, self.audit, self.caps)
+        self.quotas = Quotas(self.source, self.audit, self.caps, self.gate, self.counters, clock=self.clock)
+        self.upstreams = Upstreams(self.gate, self.audit)
+        self.upgrades = UpgradeGuard(self.caps, self.source)
+        self.head_limits = HeadLimits(self.source, self.audit)
+        self.drain = Drain(self.caps, lambda: self.drained.append(True))
+        self._clients: list[connection.Client] = []
+
+    def addons(self) -> list[Any]:
+        """make_addons' order (addons/sluice_addon.py), for the addons these tests drive."""
+        return [self.proxyserver, self.connection_audit, self.release, self.gate, self.quotas, self.upstreams,
+                self.upgrades, self.caps, self.head_limits, self.audit, self.drain]
+
+    async def __aenter__(self) -> InProcess:
+        self._saved = {name: getattr(mitm_patches.hooks, name) for name in mitm_patches.Hooks.__slots__}
+        self._errors = _AddonErrors()
+        logging.getLogger("mitmproxy.addonmanager").addHandler(self._errors)
+        self._context = taddons.context(*self.addons())
+        self._context.__enter__()
+        self.master = self._context.master
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        try:
+            for client in self._clients:
+                connstate.pop(client)  # nothing a test left reaches the next one
+        finally:
+            self._context.__exit__(None, None, None)
+            logging.getLogger("mitmproxy.addonmanager").removeHandler(self._errors)
+            for name, value in self._saved.items():
+                setattr(mitm_patches.hooks, name, value)
+
+    async def hook(self, event: hooks.Hook) -> None:
+        """One mitmproxy hook through every addon, in order, as the proxy dispatches it."""
+        await self.master.addons.handle_lifecycle(event)
+        if self._errors.records:
+            record = self._errors.records[0]
+            raise AssertionError(f"an addon failed in {event.name}: {record.getMessage()}") from (
+                record.exc_info[1] if record.exc_info else None)
+
+    async def connect(self, source: str = "192.0.2.10", port: int = 40000, mode: str = "regular",
+                      head: bool = True) -> connection.Client:
+        """A client connection accepted from `source`, with its (fake) handler.
+        `head`: its first request head (or SOCKS5 handshake) arrives at once,
+        as the HTTP/1 layer tells the head guard (tests/unit/test_layers_playbook.py
+        drives that layer); else its header_timeout from accept runs."""
+        client = tflow.tclient_conn()
+        client.peername = (source, port)
+        client.sockname = ("127.0.0.1", 8080)
+        client.proxy_mode = mode_specs.ProxyMode.parse(mode)
+        client.sni = None
+        client.tls = False
+        client.alpn = None
+        self.proxyserver.connections[client.id] = FakeHandler(client)
+        self._clients.append(client)
+        await self.hook(ClientConnectedHook(client))
+        if head:
+            self.head_limits.head_complete(client)
+        return client
+
+    async def disconnect(self, client: connection.Client) -> None:
+        await self.hook(ClientDisconnectedHook(client))
+        self.proxyserver.connections.pop(client.id, None)
+
+    def handler(self, client: connection.Client) -> FakeHandler:
+        return self.proxyserver.connections[client.id]
+
+    def reasons(self, event: str | None = None) -> list[str | None]:
+        return [line.get("reason") for line in self.lines if event is None or line.get("event") == event]
+
+    def held(self) -> list[Any]:
+        """Every quota counter still held."""
+        return [key for key, count in self.counters._counts.items() if count]
+
+
+def lines_of(lines: Iterable[dict], event: str) -> list[dict]:
+    return [line for line in lines if line.get("event") == event]
