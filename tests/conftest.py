@@ -37,6 +37,17 @@ BASE_RECORDS = {
 }
 
 
+def pytest_addoption(parser):
+    parser.addoption("--reverse", action="store_true",
+                     help="run the collected tests in reverse order (a test that passes only after another one "
+                          "depends on state that one left: find it with this)")
+
+
+def pytest_collection_modifyitems(config, items):
+    if config.getoption("--reverse"):
+        items.reverse()
+
+
 @pytest.fixture(scope="session")
 def netns():
     """Fail (never skip) unless we are inside the private test namespace."""
