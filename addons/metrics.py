@@ -84,6 +84,9 @@ OTLP_DROPPED = Counter("sluice_otlp_dropped", "Audit records not exported over O
                        "collector did not take their batch; addons/otlp.py)")
 OPEN_TUNNELS = Gauge("sluice_open_tunnels", "Tunnels open now (sampled each second)", multiprocess_mode="livesum")
 
+STATE_STORE_UP = Gauge("sluice_state_store_up", "1 while the policy's state.store answers, 0 while this process "
+                       "counts without it (sluice/state_store.py); absent without a store", multiprocess_mode="livemin")
+
 SAMPLE_SECONDS = 1.0
 
 # The label values known before anything happens: each is a series at 0 from
@@ -140,6 +143,12 @@ class Metrics:
 
     def observe(self, record: dict) -> None:
         event = record["event"]
+        if event == "state_store":
+            if record["decision"] in ("up", "down"):
+                STATE_STORE_UP.set(1 if record["decision"] == "up" else 0)
+            elif record["decision"] == "connect":
+                STATE_STORE_UP.set(1)  # until it fails
+            return
         if event == "reload":
             self._child(RELOADS, record["decision"] or "").inc()
             self.policy_changed()

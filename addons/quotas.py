@@ -59,7 +59,9 @@ share, as docs/policy.md says.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import resource
+import sys
 import time
 from collections.abc import Callable
 
@@ -80,7 +82,8 @@ from sluice.policy import quotas
 from sluice.policy.clients import VIA_SOURCE, identify
 from sluice.policy.model import Limits
 from sluice.connstate import QuotaSlots
-from sluice.policy.quotas import Counters, MemoryCounters, source_group
+from sluice.policy.quotas import Counters, CountersUnavailable, MemoryCounters, source_group
+from sluice.policy.state import StateSettings
 from sluice.policy.reasons import Reason, Refusal
 
 
@@ -123,6 +126,43 @@ class Quotas:
         # against a transfer quota, metered by the dialer (sluice/dialer.py) once
         # connected, outside the caps' meter.
         gate.dialer.meter_sources.append(self._tunnel_meter)
+        # The policy's `state` (policy/state.py): None counts in this process.
+        self.state: StateSettings | None = None
+        source.on_reload(lambda live: self.use_state(live.policy.state))
+
+    # ---- where counting happens ------------------------------------------------
+
+    def running(self) -> None:
+        live = self.source.current
+        self.use_state(live.policy.state if live is not None else None)
+
+    def done(self) -> None:
+        self.use_state(None)
+
+    def use_state(self, settings: StateSettings | None) -> None:
+        """Count through the store `settings` names (None: in this process).
+        A change reconnects: counters start empty in the new store, and each
+        slot already held goes back to the counters it was taken from."""
+        if settings == self.state:
+            return
+        from sluice.state_store import StoreCounters
+
+        old, self.state = self.counters, settings
+        if settings is None:
+            self.counters = MemoryCounters()
+        else:
+            store = StoreCounters(settings, self._store_status)
+            self.counters = store
+            _spawn(store.start())
+            self.audit.write(event="state_store", decision="connect", detail=f"counting through {settings.where}")
+        if isinstance(old, StoreCounters):
+            _spawn(old.close())
+
+    def _store_status(self, up: bool, line: str) -> None:
+        """The store went down or came back: one stderr line, one audit line
+        (the metrics addon sets sluice_state_store_up from it)."""
+        print(line, file=sys.stderr, flush=True)
+        self.audit.write(event="state_store", decision="up" if up else "down", detail=line.removeprefix("sluice: "))
 
     # ---- connections ---------------------------------------------------------
 
@@ -154,9 +194,16 @@ class Quotas:
         if why is not None:
             return why
         state.shared = True
-        if live is not None and await quotas.admit_connection(self.counters, _accept_limits(live, client),
-                                                              state.source) is None:
-            state.admitted = True
+        try:
+            admitted = live is not None and await quotas.admit_connection(
+                self.counters, _accept_limits(live, client), state.source) is None
+        except CountersUnavailable:
+            admitted = False  # not counted: its first request is checked
+        if admitted:
+            if state.counters is None:  # the client left while the store answered
+                self.counters.release(quotas.connection_key(state.source))
+            else:
+                state.admitted = True
         return None
 
     async def _admit_connection(self, client: connection.Client, limits: Limits) -> Refusal | None:
@@ -164,21 +211,27 @@ class Quotas:
         if state is None or state.identified:
             return None
         state.identified = True  # its first request (or dial): checked once
+        counters = state.counters  # where this connection's slots are (a reload may have changed the store)
         if state.admitted:  # counted at accept; a user profile may set a lower max_connections
-            return await quotas.over_connections(self.counters, limits, state.source)
-        refusal = await quotas.admit_connection(self.counters, limits, state.source)
+            return await quotas.over_connections(counters, limits, state.source)
+        refusal = await quotas.admit_connection(counters, limits, state.source)
         if refusal is None:
-            state.admitted = True
+            if state.counters is None:  # the client left while the store answered
+                counters.release(quotas.connection_key(state.source))
+            else:
+                state.admitted = True
         return refusal
 
     async def _admit_tunnel(self, client: connection.Client, key: tuple, limits: Limits,
                             connect_id: str | None = None) -> Refusal | None:
-        refusal = await quotas.admit_tunnel(self.counters, limits, key)
+        held = _slots(client)
+        counters = held.counters if held is not None else self.counters
+        refusal = await quotas.admit_tunnel(counters, limits, key)
         if refusal is None:
             tunnel = quotas.tunnel_key(key)
-            state = _slots(client)
-            if state is None:  # not seen connecting (cannot happen): hold nothing
-                self.counters.release(tunnel)
+            state = _slots(client)  # again: the client may have left while the store answered
+            if state is None:  # not seen connecting, or gone: hold nothing
+                counters.release(tunnel)
             else:
                 state.tunnels.append(tunnel)
                 if connect_id is not None:
@@ -353,6 +406,20 @@ def _slots(client: connection.Client) -> QuotaSlots | None:
     """The slots this client connection holds, if it was seen connecting."""
     state = connstate.peek(client)
     return state.quota if state is not None and state.quota.counters is not None else None
+
+
+_background: set[asyncio.Task] = set()
+
+
+def _spawn(step) -> None:
+    try:
+        # An empty context: the store is dialled directly, never through the dialer
+        task = asyncio.get_running_loop().create_task(step, context=contextvars.Context())
+    except RuntimeError:  # no loop (a unit test's synchronous setup): nothing to connect with yet
+        step.close()
+        return
+    _background.add(task)
+    task.add_done_callback(_background.discard)
 
 
 def _host(outcome: Outcome) -> str:

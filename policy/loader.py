@@ -40,6 +40,7 @@ from sluice.policy.ranges import IPV4_NON_PUBLIC, IPV6_NON_PUBLIC, NonPublicRang
 from sluice.policy.reasons import MAX_NOTE_CHARS
 from sluice.policy.units import size_text
 from sluice.policy.request_rules import PathPattern, PathPatternError, QueryGlob, RequestRule, RuleSet
+from sluice.policy.state import read_state
 from sluice.policy.model import (
     STANDARD_METHODS,
     ClientProfile,
@@ -75,7 +76,8 @@ class PolicyInvalid(Exception):
 RULE_KEYS = ("action", "allow", "deny", "ports", "methods", "private_networks", "limits", "intercept",
              "strip_request_headers",
              "refusal_note", "credentials", "rules", "upstream_proxy")
-TOP_KEYS = ("version",) + RULE_KEYS + ("dns", "clients", "require_client", "proxy_addresses")
+# `state` (the shared store, issue 23) is read by policy/state.py, its one place.
+TOP_KEYS = ("version",) + RULE_KEYS + ("dns", "clients", "require_client", "proxy_addresses", "state")
 PROFILE_KEYS = ("name", "users", "sources") + RULE_KEYS
 DNS_KEYS = tuple(f.name for f in fields(DnsSettings))
 LIMIT_KEYS = tuple(f.name for f in fields(Limits))
@@ -1329,10 +1331,11 @@ def _load_policy_text(text: str, file: str, read_secret: Callable[[str], str] | 
     reader.credentials_intercepted(top, clients, require_client)
     reader.rules_intercepted(top, clients, require_client)
     proxy_addresses = reader.proxy_addresses(keys["proxy_addresses"][1]) if "proxy_addresses" in keys else frozenset()
+    state = read_state(reader, keys["state"][1]) if "state" in keys else None
     if reader.problems:
         raise PolicyInvalid(sorted(reader.problems, key=lambda p: (p.line, p.col)))
     return Policy(version=1, rules=top, dns=dns, clients=clients, require_client=require_client, source=file,
-                  proxy_addresses=proxy_addresses)
+                  proxy_addresses=proxy_addresses, state=state)
 
 
 def load_policy_file(path: str | Path) -> Policy:

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from sluice.policy.credentials import Credential, Secret
 from sluice.policy.matchers import AddressSet, HostMatcher
 from sluice.policy.request_rules import RuleSet
+from sluice.policy.state import StateSettings
 
 DEFAULT_PORTS: frozenset[int] = frozenset({80, 443})
 STANDARD_METHODS: frozenset[str] = frozenset(
@@ -141,6 +142,8 @@ class Policy:
     # The host's own addresses it cannot see on its interfaces (a cloud VM's
     # NAT'd public address), canonical IP text: dials to them are proxy_loop.
     proxy_addresses: frozenset[str] = frozenset()
+    # `state`: the store quotas and login throttles are shared through (None: in process)
+    state: StateSettings | None = None
 
     def profile(self, name: str) -> ClientProfile | None:
         """The client profile called `name`, if the policy has one."""

@@ -50,6 +50,14 @@ MAX_KEYS = 100_000
 TOTAL_KEY = ("total",)
 
 
+class CountersUnavailable(Exception):
+    """A shared store could not answer; the text says why."""
+
+
+# Counted by each process whatever the store: its own file descriptors.
+PROCESS_KINDS = frozenset({"total", "open"})
+
+
 class Counters(Protocol):
     """What quotas count with: the one interface of every counter store.
 
