@@ -39,7 +39,9 @@ def _pair(redis, statuses=None, timeout=0.2):
 
 def test_two_processes_share_one_bucket_and_never_both_take_the_last_token(redis):
     async def run():
-        a, b = _pair(redis)
+        # A generous timeout: this checks the script's atomicity, and a take that timed out on a loaded machine
+        # would fall back to the local counters (on_error: local) and pass a token of its own.
+        a, b = _pair(redis, timeout=5.0)
         await a.start(), await b.start()
         # 40 concurrent takes over both processes from a bucket of 10 (refilling 0.01/s): exactly 10 pass
         waits = await asyncio.gather(*[(a if i % 2 else b).take(("rate",) + ALICE, 0.01, 10, 0.0) for i in range(40)])
