@@ -25,7 +25,10 @@ from collections.abc import Callable, Mapping
 
 import yaml
 
+from sluice.policy import approvals as appr
 from sluice.policy import credentials as creds
+from sluice.policy.approvals import ApprovalSettings
+from sluice.policy.reasons import Reason
 from sluice.policy.clients import secret_verifier
 from sluice.policy.hosts import INTERNAL_SUFFIXES, canonical_ip, internal_name
 from sluice.policy.matchers import (
@@ -75,7 +78,7 @@ class PolicyInvalid(Exception):
 # Keys a profile may override, and the top level may set.
 RULE_KEYS = ("action", "allow", "deny", "ports", "methods", "private_networks", "limits", "intercept",
              "strip_request_headers",
-             "refusal_note", "credentials", "rules", "upstream_proxy")
+             "refusal_note", "credentials", "rules", "upstream_proxy", "approvals")
 # `state` (the shared store, issue 23) is read by policy/state.py, its one place.
 TOP_KEYS = ("version",) + RULE_KEYS + ("dns", "clients", "require_client", "proxy_addresses", "state")
 PROFILE_KEYS = ("name", "users", "sources") + RULE_KEYS
@@ -87,6 +90,9 @@ CREDENTIAL_VALUE_KEYS = ("file", "env", "format")
 UPSTREAM_PROXY_KEYS = ("url", "credentials")
 REQUEST_RULE_ACTIONS = ("allow", "deny")
 REQUEST_RULE_KEYS = ("hosts", "methods", "paths", "query")
+APPROVAL_KEYS = ("ask", "grant_for", "wait", "notify")
+NOTIFY_KEYS = ("webhook", "secret")
+SECRET_KEYS = ("file", "env")
 SIZE_LIMITS = {"max_response_bytes", "max_request_bytes", "tunnel_max_bytes", "max_header_bytes", "bytes_per_hour",
                "h2_stream_buffer_bytes"}
 COUNT_LIMITS = {"max_header_count", "max_connections", "max_total_connections", "max_tunnels", "burst",
@@ -754,6 +760,99 @@ class _Reader:
         self._rule_nodes[id(rule)] = hosts_node
         return rule
 
+    # ---- approvals (policy.approvals) --------------------------------
+
+    def approvals(self, node: yaml.Node, base: ApprovalSettings | None) -> ApprovalSettings | None:
+        """An `approvals` block; a profile's keys override the top level's
+        (`approvals: null` in a profile turns them off)."""
+        if isinstance(node, yaml.ScalarNode) and self.scalar(node) is None:
+            return None
+        keys = self.mapping(node, APPROVAL_KEYS, "approvals")
+        settings = base or ApprovalSettings()
+        changes: dict[str, Any] = {"origin": self.origin(node)}
+        if "ask" in keys:
+            changes["ask"] = self.approval_ask(keys["ask"][1])
+        for key in ("grant_for", "wait"):
+            if key not in keys:
+                continue
+            value_node = keys[key][1]
+            try:
+                changes[key] = parse_duration(self.scalar(value_node), allow_zero=key == "wait")
+            except ValueError as e:
+                self.problem(value_node, f"approvals.{key}: {e}")
+                continue
+            if key == "wait" and changes[key] > appr.MAX_WAIT:
+                self.problem(value_node, f"approvals.wait is at most {appr.MAX_WAIT:g}s (a held request holds "
+                                         "its client connection); agents retry after Retry-After instead")
+        if "notify" in keys:
+            changes["notify"] = self.approval_notify(keys["notify"][1])
+        result = replace(settings, **changes)
+        if not result.ask and isinstance(node, yaml.MappingNode):
+            self.problem(node, "approvals needs `ask`: the refusals that become requests for approval, e.g. "
+                               "[host_not_allowed, rule_denied]")
+        return result
+
+    def approval_ask(self, node: yaml.Node) -> frozenset[Reason]:
+        out: set[Reason] = set()
+        for item in self.sequence(node, "approvals.ask"):
+            value = self.scalar(item)
+            if isinstance(value, str) and value in {r.value for r in appr.ASKABLE}:
+                out.add(Reason(value))
+            else:
+                self.problem(item, f"approvals.ask: {_q(value)} is never askable: "
+                                   f"{appr.never_askable_why(str(value))}; askable: "
+                                   f"{', '.join(sorted(r.value for r in appr.ASKABLE))}")
+        return frozenset(out)
+
+    def approval_notify(self, node: yaml.Node) -> appr.Notify | None:
+        keys = self.mapping(node, NOTIFY_KEYS, "approvals.notify")
+        if not isinstance(node, yaml.MappingNode):
+            return None
+        if "webhook" not in keys or "secret" not in keys:
+            missing = " and ".join(k for k in NOTIFY_KEYS if k not in keys)
+            self.problem(node, f"approvals.notify needs {missing} (the webhook's body is signed with the secret)")
+            return None
+        url_node = keys["webhook"][1]
+        url = self.scalar(url_node)
+        parts = urlsplit(url) if isinstance(url, str) else None
+        if parts is None or parts.scheme not in ("http", "https") or not parts.hostname:
+            self.problem(url_node, f"approvals.notify.webhook must be an http(s) URL with a host, not {_q(url)}")
+            return None
+        if parts.username is not None or parts.password is not None:
+            self.problem(url_node, "approvals.notify.webhook must not carry user:password@ (the body is signed)")
+            return None
+        secret_node = keys["secret"][1]
+        spec = self.mapping(secret_node, SECRET_KEYS, "approvals.notify.secret")
+        sources = [k for k in SECRET_KEYS if k in spec]
+        if len(sources) != 1:
+            self.problem(secret_node, "approvals.notify.secret needs exactly one of file: PATH or env: NAME "
+                                      "(the secret never goes in the policy)")
+            return None
+        kind = sources[0]
+        where = spec[kind][1]
+        text = self.scalar(where)
+        if not isinstance(text, str) or not text:
+            self.problem(where, f"approvals.notify.secret: {kind} must be a non-empty string")
+            return None
+        raw: str | None
+        if kind == "file":
+            read = self._credential_file("approvals.notify.secret", text, where)
+            if read is _NOT_READ:
+                return None
+            raw = read.strip() if isinstance(read, str) else None
+        elif self.environ is None:
+            raw = None
+        elif text not in self.environ:
+            self.problem(where, f"approvals.notify.secret: the environment variable {_q(text)} is not set")
+            return None
+        else:
+            raw = self.environ[text].strip()
+        if raw == "":
+            self.problem(where, f"approvals.notify.secret: the {'file' if kind == 'file' else 'variable'} "
+                                f"{_q(text)} is empty")
+            return None
+        return appr.Notify(url, creds.Secret(raw), f"{kind} {text}")
+
     def rules_intercepted(self, top: Rules, clients: tuple[ClientProfile, ...], require_client: bool) -> None:
         """A rule on methods, paths or query needs to see the request: every
         host it names must be intercepted for HTTPS by the rules it applies
@@ -865,6 +964,8 @@ class _Reader:
                 changes["request_rules"] = self.request_rules(value_node)
             elif key == "upstream_proxy":
                 changes[key] = self.upstream_proxy(value_node, base.upstream_proxy)
+            elif key == "approvals":
+                changes[key] = self.approvals(value_node, base.approvals)
         rules = replace(base, **changes)
         self._shadowed(rules, keys)
         self._never_match(rules, keys, top_level)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from sluice.policy.approvals import ApprovalSettings
 from sluice.policy.credentials import Credential, Secret
 from sluice.policy.matchers import AddressSet, HostMatcher
 from sluice.policy.request_rules import RuleSet
@@ -116,6 +117,9 @@ class Rules:
     request_rules: RuleSet = field(default_factory=RuleSet)
     # A parent proxy every dial of these rules goes through; None: direct.
     upstream_proxy: UpstreamProxy | None = None
+    # Which refusals become requests for an operator's approval (`approvals:`,
+    # policy.approvals); a profile's keys override the top level's.
+    approvals: ApprovalSettings | None = None
 
 
 @dataclass(frozen=True, slots=True)

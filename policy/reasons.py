@@ -52,6 +52,7 @@ class Reason(StrEnum):
     ORIGIN_PROXY_AUTH = "origin_proxy_auth"
     RULE_DENIED = "rule_denied"
     UPSTREAM_PROXY_FAILED = "upstream_proxy_failed"
+    APPROVAL_PENDING = "approval_pending"
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,6 +146,11 @@ REASONS: dict[Reason, ReasonInfo] = {
                                    "refusal names the rule's `file:line`), or the path is spelled in a way origins "
                                    "disagree about (`%2F`, `%5C`, `%2E%2E`, a backslash, `;`) on a host the rules "
                                    "name"),
+    Reason.APPROVAL_PENDING: ReasonInfo(403,
+                                        "the policy refuses this request for a reason its `approvals.ask` lists, so "
+                                        "Sluice asked an operator (the refusal carries the approval request's id): "
+                                        "wait and retry after the `Retry-After` seconds; identical requests share one "
+                                        "ask"),
     Reason.ORIGIN_PROXY_AUTH: ReasonInfo(502,
                                          "the origin answered 407 Proxy Authentication Required, which only the proxy "
                                          "may send (an origin could pose as Sluice asking for a password); Sluice "

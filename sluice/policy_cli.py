@@ -199,7 +199,21 @@ def _rules_lines(rules: Rules, indent: str) -> list[str]:
     out.append(f"{indent}{_quotas_line(rules.limits)}")
     if rules.refusal_note:
         out.append(f"{indent}refusals end with the note: {rules.refusal_note!r}")
+    out += [f"{indent}{line}" for line in _approvals_lines(rules)]
     out += [f"{indent}{line}" for line in _unreachable(rules)]
+    return out
+
+
+def _approvals_lines(rules: Rules) -> list[str]:
+    settings = rules.approvals
+    if settings is None:
+        return []
+    wait = f"held up to {_seconds(settings.wait)} for an answer" if settings.wait else "answered at once"
+    out = [f"approvals: asks an operator about {', '.join(sorted(settings.ask))} ({settings.origin}); grants last "
+           f"{_seconds(settings.grant_for)} unless the operator says; {wait}"]
+    if settings.notify is not None:  # the secret's source only, never its value
+        out.append(f"approvals notify the webhook {settings.notify.webhook} (signed with the secret from "
+                   f"{settings.notify.secret_source})")
     return out
 
 
