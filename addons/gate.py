@@ -50,6 +50,7 @@ from mitmproxy.proxy.server_hooks import ServerConnectionHookData
 
 from sluice import connstate
 from sluice.addons import connections, mitm_patches
+from sluice.addons.approvals import WEBHOOK_HEADER, Approvals, is_webhook
 from sluice.addons.audit import AuditLog, peer, quote_client
 from sluice.failsafe import fail_closed
 from sluice.addons.caps import Caps
@@ -59,12 +60,14 @@ from sluice.addons.policy_source import LivePolicy, PolicySource
 from sluice.refusals import refusal_response
 from sluice.outcome import ADMISSION_META, META, Outcome, outcome_of
 from sluice.admission import (
-    Admission, Arrival, Kind, OpenTunnel, TunnelFacts, addresses_of, admit, readmit_dial, readmit_tunnel,
-    tunnel_client,
+    POLICY_ADDRESSES, Admission, Arrival, Kind, OpenTunnel, OwnHost, TunnelFacts, addresses_of, admit, readmit_dial,
+    readmit_tunnel, tunnel_client,
 )
 from sluice.dialer import Dialer, pinned_ip
 from sluice.splice import SplicedTunnel
-from sluice.policy.clients import ClientIdentity
+from sluice.policy.approvals import Verdict
+from sluice.policy.clients import ClientIdentity, ClientMatch
+from sluice.resolver import NameResolver
 from sluice.policy.decide import Decision
 from sluice.policy.model import Policy, Rules
 from sluice.policy.reasons import Reason, Refusal
@@ -75,10 +78,12 @@ SOCKS5_NOT_ALLOWED = b"\x05\x02\x00\x01\x00\x00\x00\x00\x00\x00"
 
 
 class EgressGate:
-    def __init__(self, source: PolicySource, audit: AuditLog, caps: Caps) -> None:
+    def __init__(self, source: PolicySource, audit: AuditLog, caps: Caps, approvals: Approvals | None = None) -> None:
         self.source = source
         self.audit = audit
         self.caps = caps
+        # Grants in force, asks, waits (addons/approvals.py; make_addons shares one).
+        self.approvals = approvals if approvals is not None else Approvals(audit)
         self.identity = ClientIdentifier()
         # What the gate approved and pinned for each client connection, and
         # its tunnels, are in its ConnState (sluice/connstate.py): `approved`
@@ -143,19 +148,23 @@ class EgressGate:
         request = flow.request
         live = self.live()  # one policy snapshot for the whole decision
         authorization = request.headers.pop(PROXY_AUTHORIZATION, None)  # never forwarded
+        marker = request.headers.pop(WEBHOOK_HEADER, None)  # a proxy header too
+        asks = marker is None or not is_webhook(live.policy, marker)
         client = await self.identity.match(live.policy, flow.client_conn, authorization)
         arrival = Arrival(
             Kind.CONNECT if connect else Kind.REQUEST, request.host, request.port,
             scheme=request.scheme, method=request.method, host_header=request.host_header,
             connection=request.headers.get("Connection", ""), target=None if connect else request.path,
         )
-        admission = await admit(live.policy, client, arrival, live.resolver, OWN_HOST)
+        user = _user(live.policy, authorization)
+        admission = await self._admit(live.policy, client, arrival, live.resolver, OWN_HOST, user,
+                                      peer(flow.client_conn), asks=asks)
         decision = admission.decision
         outcome = Outcome(request.host, request.port, decision, client.profile, admission.rules,
                           intercept=admission.intercept, method=admission.method)
         flow.metadata[META] = outcome
         flow.metadata[ADMISSION_META] = admission
-        outcome.user = _user(live.policy, authorization)
+        outcome.user = user
         outcome.identity = self.identity.identity(live.policy, flow.client_conn, authorization, client)
         if connect:
             outcome.connect_id = flow.id  # its tunnel's line, and the requests inside, carry it
@@ -180,8 +189,9 @@ class EgressGate:
         request = flow.request
         tunnel.requests += 1
         live = self.live()
-        admission = await admit(live.policy, tunnel_client(live.policy, tunnel.profile), _inside_arrival(flow, tunnel),
-                                live.resolver)
+        admission = await self._admit(live.policy, tunnel_client(live.policy, tunnel.profile),
+                                      _inside_arrival(flow, tunnel), live.resolver, None, tunnel.user,
+                                      peer(flow.client_conn))
         flow.metadata[META] = Outcome(tunnel.host, tunnel.port, admission.decision, tunnel.profile, admission.rules,
                                       method=request.method)
         flow.metadata[ADMISSION_META] = admission
@@ -195,6 +205,26 @@ class EgressGate:
             request.authority = ""
         if admission.host_header is not None:
             request.host_header = admission.host_header
+
+    async def _admit(self, policy: Policy, client: ClientMatch, arrival: Arrival, resolver: NameResolver,
+                     own_host: OwnHost | None, user: str | None, who: str | None, asks: bool = True) -> Admission:
+        """admit() with the approvals in force; an ask is recorded, and with
+        `wait` the request is held for the answer and decided again. Not
+        `asks` (the approvals' own webhook): admit() alone."""
+        own = own_host if own_host is not None else POLICY_ADDRESSES
+        if not asks:
+            return await admit(policy, client, arrival, resolver, own)
+        admission = await admit(policy, client, arrival, resolver, own, self.approvals.view(user))
+        judged = admission.approval
+        if judged is None:
+            return admission
+        settings = admission.rules.approvals if admission.rules is not None else None
+        await self.approvals.judged(admission, settings, who)
+        if judged.verdict is Verdict.ASK and settings is not None and settings.wait > 0:
+            if await self.approvals.wait_for_answer(judged, settings.wait):
+                admission = await admit(policy, client, arrival, resolver, own, self.approvals.view(user))
+                await self.approvals.judged(admission, settings, who)
+        return admission
 
     # ---- SOCKS5 username/password ------------------------------------------
 
@@ -239,8 +269,10 @@ class EgressGate:
         # (identity keeps it by client connection id); else by its address.
         client = await self.identity.match(live.policy, data.client, None)
         # SOCKS5, transparent, or anything else that reached a dial.
-        admission = await admit(live.policy, client, Arrival(Kind.DIAL, host, port, transport=server.transport_protocol),
-                                live.resolver, OWN_HOST)
+        admission = await self._admit(live.policy, client,
+                                      Arrival(Kind.DIAL, host, port, transport=server.transport_protocol),
+                                      live.resolver, OWN_HOST, self.identity.socks5_user(data.client),
+                                      peer(data.client))
         decision = admission.decision
         if not decision.allowed:
             # A refused client (or transport) is audited without a profile.

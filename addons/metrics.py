@@ -86,6 +86,15 @@ OPEN_TUNNELS = Gauge("sluice_open_tunnels", "Tunnels open now (sampled each seco
 
 STATE_STORE_UP = Gauge("sluice_state_store_up", "1 while the policy's state.store answers, 0 while this process "
                        "counts without it (sluice/state_store.py); absent without a store", multiprocess_mode="livemin")
+# Approvals (addons/approvals.py): what the shared state holds (every worker
+# sees the same file, so the supervisor shows the largest), and each askable
+# refusal's outcome: pending (asked or still waiting), granted, denied.
+APPROVALS_PENDING = Gauge("sluice_approvals_pending", "Approval requests waiting for an operator's answer",
+                          multiprocess_mode="livemax")
+GRANTS_ACTIVE = Gauge("sluice_approval_grants_active", "Approval grants in force", multiprocess_mode="livemax")
+APPROVAL_ASKS = Counter("sluice_approval_asks", "Askable refusals judged by the approvals, by outcome (pending, "
+                        "granted, denied)", ["outcome"])
+ASK_OUTCOMES = ("pending", "granted", "denied")
 
 SAMPLE_SECONDS = 1.0
 
@@ -103,6 +112,19 @@ def initialise_known_labels() -> None:
         DNS_LOOKUP.labels(result)
     for reason in sorted(CAP_REASONS):
         CAPS.labels(reason.value)
+    for outcome in ASK_OUTCOMES:
+        APPROVAL_ASKS.labels(outcome)
+
+
+class ApprovalMetrics:
+    """The approvals' observer (addons/approvals.py)."""
+
+    def judged(self, outcome: str) -> None:
+        APPROVAL_ASKS.labels(outcome).inc()
+
+    def counts(self, pending: int, grants: int) -> None:
+        APPROVALS_PENDING.set(pending)
+        GRANTS_ACTIVE.set(grants)
 
 
 class ResolverMetrics:

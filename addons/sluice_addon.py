@@ -6,6 +6,7 @@ list says why it sits where it does.
 """
 
 from sluice import connstate
+from sluice.addons.approvals import Approvals
 from sluice.addons.audit import AuditLog
 from sluice.addons.caps import Caps
 from sluice.addons.conn_release import ConnRelease
@@ -32,7 +33,8 @@ def make_addons(*, lifecycle: bool = False, metrics: bool = False) -> list:
     audit = AuditLog()
     source = PolicySource(audit)
     caps = Caps(source, audit)
-    gate = EgressGate(source, audit, caps)
+    approvals = Approvals(audit)
+    gate = EgressGate(source, audit, caps, approvals)
     operations: list = []
     if lifecycle:
         from sluice.addons.status import Status
@@ -42,9 +44,10 @@ def make_addons(*, lifecycle: bool = False, metrics: bool = False) -> list:
         operations += [status, Drain(caps, status.drain)]
     on_drop = None
     if metrics:
-        from sluice.addons.metrics import OTLP_DROPPED, Metrics
+        from sluice.addons.metrics import OTLP_DROPPED, ApprovalMetrics, Metrics
 
         operations.append(Metrics(audit, source, connstate.open_tunnels))
+        approvals.observer = ApprovalMetrics()
         on_drop = OTLP_DROPPED.inc
     operations.append(OtlpExport(audit, on_drop))  # off unless an endpoint is given (addons/otlp.py)
     return [
@@ -58,6 +61,8 @@ def make_addons(*, lifecycle: bool = False, metrics: bool = False) -> list:
         ConnRelease(audit),
         # Strips Sluice's own signals from an origin's response before any addon reads or sets them.
         OriginHeaders(),
+        # The grants snapshot the gate decides with (its running hook reads it before the ready line).
+        approvals,
         # Decides (identity, host, pin, intercept): everything after it acts on its decision.
         gate,
         # Counts what the gate allowed, against the client it identified.

@@ -27,8 +27,10 @@ import functools
 import ipaddress
 import re
 from dataclasses import dataclass, replace
+from collections.abc import Callable
 from typing import NamedTuple, Protocol
 
+from sluice.policy.approvals import Grant, Judgement, Requester, Verdict, granted_rules, judge
 from sluice.policy.clients import ClientIdentity, ClientMatch, rematch
 from sluice.policy.credentials import Credential, apply_to
 from sluice.policy.decide import (
@@ -107,6 +109,16 @@ class PolicyAddresses:
 POLICY_ADDRESSES = PolicyAddresses()
 
 
+class ApprovalView(NamedTuple):
+    """The approvals in force for one arrival (policy.approvals): the grants
+    and denials (a snapshot; the proxy's comes from its store), the client's
+    user and the time. None to admit(): approvals are not consulted."""
+
+    grants: tuple[Grant, ...]
+    user: str | None
+    now: float
+
+
 class Admission(NamedTuple):
     """What the proxy does with one arrival (immutable)."""
 
@@ -122,6 +134,10 @@ class Admission(NamedTuple):
     strip_headers: tuple[str, ...] = ()  # request headers removed before forwarding
     host_header: str | None = None  # the Host header to send instead of the client's (None: keep it)
     origin_form: bool = False  # send the request target without its authority
+    # The approvals' say (policy.approvals): granted (the decision is the
+    # re-decision), denied, or asked (the refusal is approval_pending); None
+    # when the decision was not an askable refusal.
+    approval: Judgement | None = None
 
     @property
     def allowed(self) -> bool:
@@ -133,10 +149,10 @@ class Admission(NamedTuple):
 
 
 async def admit(policy: Policy, identity: ClientMatch, arrival: Arrival, resolver: NameResolver,
-                own_host: OwnHost = POLICY_ADDRESSES) -> Admission:
+                own_host: OwnHost = POLICY_ADDRESSES, approvals: ApprovalView | None = None) -> Admission:
     """The decision for one arrival and everything that follows from it."""
     if arrival.kind is Kind.INSIDE:
-        return await _admit_inside(identity, arrival, resolver)
+        return await _admit_inside(identity, arrival, resolver, approvals)
     if arrival.kind is Kind.DIAL and arrival.transport != "tcp":
         refusal = Refusal(Reason.CLIENT_PROTOCOL_REFUSED, f"Sluice carries TCP only, not {arrival.transport}")
         return Admission(Decision(False, None, refusal, port=arrival.port), None, None)
@@ -153,12 +169,16 @@ async def admit(policy: Policy, identity: ClientMatch, arrival: Arrival, resolve
                        method=method, has_credentials=arrival.has_credentials,
                        target=None if connect else arrival.target)
     decision = _not_own_host(rules, policy, await resolve_and_decide(rules, dest, resolver), own_host)
+    judged = None
+    if not decision.allowed and approvals is not None:
+        decision, judged = await _with_approvals(rules, identity, dest, decision, approvals, resolver,
+                                                 lambda d: _not_own_host(rules, policy, d, own_host))
     if not decision.allowed:
-        return Admission(decision, identity.profile, rules, method=method, intercept=intercept)
+        return Admission(decision, identity.profile, rules, method=method, intercept=intercept, approval=judged)
     if connect:
         sni = decision.host.name if intercept and isinstance(decision.host, NameHost) else None
         return Admission(decision, identity.profile, rules, method=method, intercept=intercept,
-                         pin=decision.address, sni=sni)
+                         pin=decision.address, sni=sni, approval=judged)
     credential, credential_refusal = _credential(rules, decision, arrival.host, arrival.scheme)
     host_header = None
     if arrival.host_header is not None and not names_authority(arrival.host_header, arrival.host, arrival.port):
@@ -168,10 +188,29 @@ async def admit(policy: Policy, identity: ClientMatch, arrival: Arrival, resolve
         host_header = authority_of(arrival.scheme or "http", arrival.host, arrival.port)
     return Admission(decision, identity.profile, rules, method=method, pin=decision.address, credential=credential,
                      credential_refusal=credential_refusal, strip_headers=strip_headers(arrival.connection, rules),
-                     host_header=host_header)
+                     host_header=host_header, approval=judged)
 
 
-async def _admit_inside(identity: ClientMatch, arrival: Arrival, resolver: NameResolver) -> Admission:
+async def _with_approvals(rules: Rules, identity: ClientMatch, dest: Destination, decision: Decision,
+                          approvals: ApprovalView, resolver: NameResolver,
+                          finish: Callable[[Decision], Decision]) -> tuple[Decision, Judgement | None]:
+    """A refused decision under the approvals in force: granted, decided again
+    with the askable steps open (every other check applies: a granted host
+    that resolves to a private address is still refused, as that); denied or
+    asked, refused with the judgement's refusal. Not askable: unchanged."""
+    host = str(decision.host) if decision.host is not None else dest.host.lower()
+    requester = Requester(identity.profile, approvals.user, host, dest.method, dest.target)
+    judged = judge(rules.approvals, decision.refusal, requester, approvals.grants, approvals.now)
+    if judged is None:
+        return decision, None
+    if judged.verdict is Verdict.GRANTED:
+        return finish(await resolve_and_decide(granted_rules(rules, dest.method), dest, resolver)), judged
+    assert decision.refusal is not None
+    return replace(decision, refusal=judged.refusal(decision.refusal)), judged
+
+
+async def _admit_inside(identity: ClientMatch, arrival: Arrival, resolver: NameResolver,
+                        approvals: ApprovalView | None = None) -> Admission:
     """A request inside an intercepted tunnel: it may only name the tunnel's
     host (no domain fronting), and is checked like any request, with the
     live policy's rules for the tunnel's client profile (`tunnel_client`)."""
@@ -192,8 +231,11 @@ async def _admit_inside(identity: ClientMatch, arrival: Arrival, resolver: NameR
                          method=arrival.method)
     dest = Destination(tunnel.host, tunnel.port, arrival.scheme, arrival.method, target=arrival.target)
     decision = await resolve_and_decide(rules, dest, resolver)
+    judged = None
+    if not decision.allowed and approvals is not None:
+        decision, judged = await _with_approvals(rules, identity, dest, decision, approvals, resolver, lambda d: d)
     if not decision.allowed:
-        return Admission(decision, identity.profile, rules, method=arrival.method)
+        return Admission(decision, identity.profile, rules, method=arrival.method, approval=judged)
     credential, credential_refusal = _credential(rules, decision, tunnel.host, arrival.scheme)
     # Absolute-form naming the tunnel's own host: send origin-form, so the
     # origin can only ever see the tunnel's host.
@@ -205,7 +247,7 @@ async def _admit_inside(identity: ClientMatch, arrival: Arrival, resolver: NameR
     return Admission(decision, identity.profile, rules, method=arrival.method, pin=tunnel.address,
                      credential=credential, credential_refusal=credential_refusal,
                      strip_headers=strip_headers(arrival.connection, rules), host_header=host_header,
-                     origin_form=origin_form)
+                     origin_form=origin_form, approval=judged)
 
 
 def _credential(
