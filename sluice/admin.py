@@ -22,10 +22,12 @@ addon (addons/status.py).
 from __future__ import annotations
 
 import errno
+import hmac
 import json
 import logging
 import socket
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -45,11 +47,114 @@ TEXT = "text/plain; charset=utf-8"
 JSON = "application/json"
 
 
+# ---- approvals (issue 22): list, and the verbs that need a token ---------------
+
+
+class AdminTokens:
+    """`--admin-token-file`: one token a line, `TOKEN` (it acts as "admin")
+    or `NAME TOKEN` (audited as NAME); blank lines and `#` comments ignored."""
+
+    def __init__(self, tokens: dict[str, str]) -> None:
+        self._tokens = tokens  # token -> name
+
+    @classmethod
+    def load(cls, path: str | None) -> AdminTokens:
+        """ValueError with a sentence for a file that cannot be used."""
+        if path is None:
+            return cls({})
+        try:
+            with open(path, encoding="utf-8") as f:
+                text = f.read(65536)
+        except OSError as e:
+            raise ValueError(f"--admin-token-file {path}: cannot read it ({e.strerror or e})") from None
+        except UnicodeDecodeError:
+            raise ValueError(f"--admin-token-file {path}: not UTF-8 text") from None
+        tokens: dict[str, str] = {}
+        for number, line in enumerate(text.splitlines(), 1):
+            words = line.split()
+            if not words or words[0].startswith("#"):
+                continue
+            if len(words) > 2:
+                raise ValueError(f"--admin-token-file {path}:{number}: expected TOKEN or NAME TOKEN")
+            name, token = (words[0], words[1]) if len(words) == 2 else ("admin", words[0])
+            if len(token) < 16:
+                raise ValueError(f"--admin-token-file {path}:{number}: a token needs at least 16 characters "
+                                 "(e.g. from `openssl rand -hex 32`)")
+            tokens[token] = name
+        if not tokens:
+            raise ValueError(f"--admin-token-file {path}: holds no token")
+        return cls(tokens)
+
+    def who(self, authorization: str | None) -> tuple[int, str]:
+        """(200, the token's name), or the status and sentence that refuse."""
+        if not self._tokens:
+            return 403, ("this proxy accepts no admin token; start it with --admin-token-file FILE to answer "
+                         "approvals")
+        scheme, _, given = (authorization or "").partition(" ")
+        if scheme.lower() != "bearer" or not given.strip():
+            return 401, "this admin request needs a bearer token (Authorization: Bearer TOKEN; `sluice approvals " \
+                        "--token-file FILE`)"
+        given = given.strip()
+        for token, name in self._tokens.items():
+            if hmac.compare_digest(token.encode(), given.encode()):
+                return 200, name
+        return 403, "the admin token is wrong (not one in the proxy's --admin-token-file)"
+
+
+class ApprovalDesk:
+    """The /approvals endpoints over the store (their threads do its I/O).
+    `changed` tells this process's proxy to refresh its snapshot at once."""
+
+    def __init__(self, store, tokens: AdminTokens, changed: Callable[[], None] | None = None) -> None:
+        self.store = store
+        self.tokens = tokens
+        self.changed = changed
+
+    def listing(self) -> Response:
+        return json_response(self.store.listing(time.time()))
+
+    def act(self, path: str, authorization: str | None, body: bytes) -> Response:
+        from sluice.approvals_store import ApprovalError, grant_json
+
+        parts = path.strip("/").split("/")
+        if len(parts) != 3 or parts[0] != "approvals" or parts[2] not in ("approve", "deny", "revoke"):
+            return 404, TEXT, b"not found: POST /approvals/ID/approve, /approvals/ID/deny, /approvals/ID/revoke\n"
+        status, who = self.tokens.who(authorization)
+        if status != 200:
+            return status, TEXT, (who + "\n").encode()
+        try:
+            args = json.loads(body or b"{}")
+            if not isinstance(args, dict):
+                raise ValueError
+            seconds = args.get("for")
+            scope = args.get("scope")
+            if seconds is not None and (isinstance(seconds, bool) or not isinstance(seconds, (int, float))
+                                        or not 0 < seconds <= 366 * 86400):
+                return 400, TEXT, b"`for` must be a number of seconds from 1 to a year\n"
+            if scope not in (None, "host", "path"):
+                return 400, TEXT, b"`scope` must be host or path\n"
+        except ValueError:
+            return 400, TEXT, b"the body must be a JSON object: {\"for\": SECONDS, \"scope\": \"host\"|\"path\"}\n"
+        ident, verb = parts[1], parts[2]
+        try:
+            if verb == "revoke":
+                grant = self.store.revoke(ident, who, time.time())
+            else:
+                grant = self.store.answer(ident, denied=verb == "deny", seconds=seconds, scope=scope, who=who,
+                                          now=time.time())
+        except ApprovalError as e:
+            return 404, TEXT, (str(e) + "\n").encode()
+        if self.changed is not None:
+            self.changed()
+        return json_response(grant_json(grant))
+
+
 class Endpoints:
     """What one process serves: its own Status and the default registry."""
 
-    def __init__(self, status: Status) -> None:
+    def __init__(self, status: Status, approvals: ApprovalDesk | None = None) -> None:
         self.status = status
+        self.approvals = approvals
 
     def readyz(self) -> Response:
         return readyz(self.status.ready, self.status.draining)
@@ -85,6 +190,9 @@ class AdminServer:
             "/metrics": endpoints.metrics,
             "/policy": endpoints.policy,
         }
+        desk: ApprovalDesk | None = getattr(endpoints, "approvals", None)
+        if desk is not None:
+            routes["/approvals"] = desk.listing
 
         class Handler(BaseHTTPRequestHandler):
             server_version = "sluice-admin"
@@ -96,6 +204,23 @@ class AdminServer:
             def do_HEAD(self) -> None:
                 self._answer(head=True)
 
+            def do_POST(self) -> None:
+                try:
+                    length = int(self.headers.get("Content-Length") or 0)
+                except ValueError:
+                    length = -1
+                if desk is None or not 0 <= length <= 4096:
+                    status, kind, body = (404, TEXT, b"not found\n") if desk is None else \
+                        (400, TEXT, b"a body of at most 4096 bytes, with Content-Length\n")
+                else:
+                    try:
+                        status, kind, body = desk.act(self.path.split("?", 1)[0], self.headers.get("Authorization"),
+                                                      self.rfile.read(length))
+                    except Exception:
+                        logger.exception(f"admin endpoint POST {self.path} failed")
+                        status, kind, body = 500, TEXT, b"internal error\n"
+                self._send(status, kind, body, head=False)
+
             def _answer(self, head: bool) -> None:
                 route = routes.get(self.path.split("?", 1)[0])
                 if route is None:
@@ -106,10 +231,15 @@ class AdminServer:
                     except Exception:
                         logger.exception(f"admin endpoint {self.path} failed")
                         status, kind, body = 500, TEXT, b"internal error\n"
+                self._send(status, kind, body, head)
+
+            def _send(self, status: int, kind: str, body: bytes, head: bool) -> None:
                 self.send_response(status)
                 self.send_header("Content-Type", kind)
                 self.send_header("Content-Length", str(len(body)))
                 self.send_header("Cache-Control", "no-store")
+                if status == 401:
+                    self.send_header("WWW-Authenticate", 'Bearer realm="sluice-admin"')
                 self.end_headers()
                 if not head:
                     self.wfile.write(body)

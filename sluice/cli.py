@@ -112,10 +112,20 @@ def _parser() -> argparse.ArgumentParser:
     proxy.add_argument("--drain-timeout", type=float, default=30.0, metavar="SECONDS",
                        help="on SIGTERM, how long in-flight exchanges and tunnels may take to finish before they "
                             "are cut (default: %(default)g)")
+    proxy.add_argument("--state-dir", default=None, metavar="DIR",
+                       help="keep approvals (pending asks, grants, denials) in DIR/approvals.sqlite3, across restarts "
+                            "and shared by --workers (default: in memory)")
+    proxy.add_argument("--admin-token-file", default=None, metavar="FILE",
+                       help="bearer tokens (one a line: TOKEN or NAME TOKEN) the admin endpoint requires for the "
+                            "approvals verbs that change state (approve, deny, revoke)")
     proxy.add_argument("--otlp-endpoint", default="", metavar="URL",
                        help="also export every audit record as an OTLP log (HTTP/protobuf) to this collector, "
                             "e.g. http://otel-collector:4318 (default: $OTEL_EXPORTER_OTLP_LOGS_ENDPOINT or "
                             "$OTEL_EXPORTER_OTLP_ENDPOINT if set; 'off': never)")
+
+    from sluice.approvals_cli import add_parser as add_approvals_parser
+
+    add_approvals_parser(sub)
 
     ca = sub.add_parser("ca", help="print the interception CA certificate's path and PEM (creating it if missing)")
     ca.add_argument("--ca-dir", default=None, metavar="DIR",
@@ -278,17 +288,23 @@ def _main(argv: list[str] | None) -> int:
             return EXIT_USAGE
         worker_args = [a for a in (argv if argv is not None else sys.argv[1:])[1:]]
         return supervise(args.workers, _without_workers(worker_args), admin=args.admin,
-                         drain_timeout=args.drain_timeout, listen=(host, port), modes=args.mode)
+                         drain_timeout=args.drain_timeout, listen=(host, port), modes=args.mode,
+                         state_dir=args.state_dir, admin_token_file=args.admin_token_file)
     if args.command == "proxy":
         from sluice.proxy import run
 
         return run(args.policy, args.listen, args.mode, args.audit_log, args.sets, args.ca_dir,
                    policy_label=args.policy_label,
-                   admin=args.admin, drain_timeout=args.drain_timeout, otlp_endpoint=args.otlp_endpoint)
+                   admin=args.admin, drain_timeout=args.drain_timeout, otlp_endpoint=args.otlp_endpoint,
+                   state_dir=args.state_dir, admin_token_file=args.admin_token_file)
     if args.command == "ca":
         from sluice.ca import show
 
         return show(args.ca_dir)
+    if args.command == "approvals":
+        from sluice import approvals_cli
+
+        return approvals_cli.dispatch(args)
     if args.command == "policy":
         from sluice import policy_cli
 

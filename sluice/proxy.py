@@ -6,6 +6,7 @@ import asyncio
 import logging
 import os
 import signal
+import sqlite3
 import sys
 
 from mitmproxy import ctx, exceptions, options
@@ -17,9 +18,12 @@ from mitmproxy.proxy import mode_specs
 
 from sluice.addons import mitm_patches
 from sluice import open_files
-from sluice.admin import WORKER_DIR_ENV, AdminServer, Endpoints, admin_problem, parse_admin, same_listener
+from sluice.admin import (
+    WORKER_DIR_ENV, AdminServer, AdminTokens, ApprovalDesk, Endpoints, admin_problem, parse_admin, same_listener,
+)
 from sluice.own_host import ADMIN_ENV, OWN_HOST
 from sluice.addons.sluice_addon import make_addons
+from sluice.approvals_store import ApprovalStore
 from sluice.ca import ca_dir, ensure_ca
 from sluice.cli import EXIT_USAGE, listen_problem
 from sluice.listen import parse_listen
@@ -117,8 +121,9 @@ class OneVoice(logging.Formatter):
 class ReadyLine:
     """Prints one line on stderr once every listener is up."""
 
-    def __init__(self, policy_label: str, admin: tuple[str, int] | None) -> None:
+    def __init__(self, policy_label: str, admin: tuple[str, int] | None, approvals: str = "") -> None:
         self.policy_label = policy_label
+        self.approvals = approvals  # where approvals are kept
         # A worker of `--workers N` runs without its own admin listener: the
         # supervisor's, which it is told through the environment, is the one.
         shown = None if admin is None else _host_port(*admin)
@@ -128,7 +133,8 @@ class ReadyLine:
         addrs = ctx.master.addons.get("proxyserver").listen_addrs()
         shown = " ".join(f"[{h}]:{p}" if ":" in h else f"{h}:{p}" for h, p, *_ in addrs)
         modes = ",".join(ctx.options.mode)
-        print(f"sluice: ready on {shown} (mode {modes}; policy {self.policy_label}; admin {self.admin})",
+        print(f"sluice: ready on {shown} (mode {modes}; policy {self.policy_label}; admin {self.admin}; approvals "
+              f"{self.approvals})",
               file=sys.stderr, flush=True)
 
 
@@ -138,7 +144,18 @@ def _host_port(host: str, port: int) -> str:
 
 async def _serve(policy: str, listen: tuple[str, int], modes: list[str], audit_log: str, sets: list[str], ca: str,
                  admin: tuple[str, int] | None = None, drain_timeout: float = 30.0, otlp_endpoint: str = "",
-                 policy_label: str | None = None) -> int:
+                 policy_label: str | None = None, state_dir: str | None = None,
+                 admin_token_file: str | None = None) -> int:
+    try:
+        store = ApprovalStore(state_dir)
+        tokens = AdminTokens.load(admin_token_file)
+    except ValueError as e:
+        print(f"sluice: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except (OSError, sqlite3.Error) as e:
+        print(f"sluice: --state-dir {state_dir}: cannot keep the approvals state there ({e}); give a directory "
+              "this user may write", file=sys.stderr)
+        return EXIT_USAGE
     opts = options.Options(listen_host=listen[0], listen_port=listen[1], confdir=ca)
     mitm_patches.install()
     master = Master(opts, with_termlog=False)
@@ -149,9 +166,10 @@ async def _serve(policy: str, listen: tuple[str, int], modes: list[str], audit_l
     master.addons.add(termlog, *mitmproxy_addons())
     # A worker's supervisor serves its metrics: they are kept even without --admin.
     metrics = admin is not None or bool(os.environ.get(WORKER_DIR_ENV))
-    ready_line = ReadyLine(policy_label or policy, admin)
+    ready_line = ReadyLine(policy_label or policy, admin, store.where)
     master.addons.add(*make_addons(lifecycle=True, metrics=metrics), ready_line)
-    drain, status = master.addons.get("drain"), master.addons.get("status")
+    drain, status, approvals = master.addons.get("drain"), master.addons.get("status"), master.addons.get("approvals")
+    approvals.store = store
     drain.timeout = drain_timeout
     mitm_patches.fast_dispatch(master.addons)  # a fixed addon list: resolve each event's hooks once
     try:
@@ -182,7 +200,7 @@ async def _serve(policy: str, listen: tuple[str, int], modes: list[str], audit_l
     if admin is not None:
         OWN_HOST.add_listener(*admin)  # the admin endpoint is the proxy's host too: never a destination
         try:
-            server = AdminServer(*admin, Endpoints(status)).start()
+            server = AdminServer(*admin, Endpoints(status, ApprovalDesk(store, tokens, approvals.poke))).start()
             ready_line.admin = _host_port(*server.address)  # the bound port, for --admin HOST:0
         except OSError as e:
             print(f"sluice: {admin_problem(*admin, e)}", file=sys.stderr)
@@ -202,9 +220,11 @@ async def _serve(policy: str, listen: tuple[str, int], modes: list[str], audit_l
 
 def run(policy: str, listen: str, modes: list[str], audit_log: str, sets: list[str], ca: str | None = None,
         admin: str = "127.0.0.1:9090", drain_timeout: float = 30.0, otlp_endpoint: str = "",
-        policy_label: str | None = None) -> int:
+        policy_label: str | None = None, state_dir: str | None = None, admin_token_file: str | None = None) -> int:
     try:
         address = parse_listen(listen)
+        if state_dir is not None and not os.path.isdir(state_dir):
+            raise ValueError(f"--state-dir {state_dir}: not a directory (create it first; approvals are kept there)")
         admin_address = parse_admin(admin)
         if not 0 <= drain_timeout <= 86400:
             raise ValueError("--drain-timeout takes a number of seconds from 0 to 86400")
@@ -221,4 +241,4 @@ def run(policy: str, listen: str, modes: list[str], audit_log: str, sets: list[s
     if os.environ.get(REUSE_PORT_ENV) == "1":
         enable_reuse_port()
     return asyncio.run(_serve(policy, address, modes, audit_log, sets, str(directory), admin_address, drain_timeout,
-                              otlp_endpoint, policy_label))
+                              otlp_endpoint, policy_label, state_dir, admin_token_file))

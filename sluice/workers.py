@@ -29,6 +29,7 @@ import os
 import re
 import shutil
 import signal
+import sqlite3
 import subprocess
 import sys
 import tempfile
@@ -54,6 +55,8 @@ def enable_reuse_port() -> None:
 
 class WorkersEndpoints:
     """The admin endpoints of `--workers N`, aggregated over the workers."""
+
+    approvals = None  # the /approvals endpoints (addons/admin.py ApprovalDesk) over the shared state
 
     def __init__(self, directory: str, children: list[subprocess.Popen], state: dict) -> None:
         from sluice.addons.metrics import workers_registry
@@ -116,14 +119,19 @@ _CUT = re.compile(r"\((\d+) cut by shutdown\)")
 
 
 def supervise(count: int, worker_args: list[str], admin: str = "off", drain_timeout: float = 30.0,
-              listen: tuple[str, int] = ("127.0.0.1", 0), modes: list[str] = ()) -> int:
-    from sluice.admin import WORKER_DIR_ENV, AdminServer, admin_problem, parse_admin
+              listen: tuple[str, int] = ("127.0.0.1", 0), modes: list[str] = (), state_dir: str | None = None,
+              admin_token_file: str | None = None) -> int:
+    from sluice.admin import WORKER_DIR_ENV, AdminServer, AdminTokens, ApprovalDesk, admin_problem, parse_admin
+    from sluice.approvals_store import ApprovalStore
     from sluice.own_host import ADMIN_ENV
 
     try:
         admin_address = parse_admin(admin)
         if not 0 <= drain_timeout <= 86400:
             raise ValueError("--drain-timeout takes a number of seconds from 0 to 86400")
+        if state_dir is not None and not os.path.isdir(state_dir):
+            raise ValueError(f"--state-dir {state_dir}: not a directory (create it first; approvals are kept there)")
+        tokens = AdminTokens.load(admin_token_file)
     except ValueError as e:
         print(f"sluice: {e}", file=sys.stderr)
         return 2
@@ -132,12 +140,27 @@ def supervise(count: int, worker_args: list[str], admin: str = "off", drain_time
               "endpoint needs its own port: choose another with --admin HOST:PORT, or --admin off", file=sys.stderr)
         return 2
     directory = tempfile.mkdtemp(prefix="sluice-workers-")
+    # Approvals live in one SQLite file the workers share and this process's
+    # admin endpoint answers from: --state-dir's, else one in the private
+    # directory, gone at exit (the workers' ready line names it).
+    if state_dir is None:
+        state_dir = directory
+        worker_args = [*worker_args, "--state-dir", directory]
+    try:
+        store = ApprovalStore(state_dir)
+    except (OSError, sqlite3.Error) as e:
+        shutil.rmtree(directory, ignore_errors=True)
+        print(f"sluice: --state-dir {state_dir}: cannot keep the approvals state there ({e}); give a directory "
+              "this user may write", file=sys.stderr)
+        return 2
     children: list[subprocess.Popen] = []
     state = {"announced": False, "stopping": False}
     server = None
     if admin_address is not None:
         try:
-            server = AdminServer(*admin_address, WorkersEndpoints(directory, children, state))
+            endpoints = WorkersEndpoints(directory, children, state)
+            endpoints.approvals = ApprovalDesk(store, tokens)
+            server = AdminServer(*admin_address, endpoints)
         except OSError as e:
             shutil.rmtree(directory, ignore_errors=True)
             print(f"sluice: {admin_problem(*admin_address, e)}", file=sys.stderr)

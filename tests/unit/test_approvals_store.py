@@ -142,7 +142,7 @@ def test_without_a_state_dir_it_is_in_memory(capsys):
 
 
 def test_admin_token_files(tmp_path):
-    from sluice.addons.admin import AdminTokens
+    from sluice.admin import AdminTokens
 
     good = tmp_path / "tokens"
     good.write_text("# comment\n\nops 0123456789abcdef0123\nfedcba9876543210fedc\n")
