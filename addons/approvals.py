@@ -33,7 +33,7 @@ from typing import Any, Protocol
 
 from sluice.admission import Admission, ApprovalView
 from sluice.approvals_store import ApprovalStore, Snapshot
-from sluice.policy.approvals import DEFAULT_GRANT_FOR, ApprovalSettings, Ask, Judgement, Notify, Verdict
+from sluice.policy.approvals import DEFAULT_GRANT_FOR, ApprovalSettings, Ask, Grant, Judgement, Notify, Verdict
 
 logger = logging.getLogger("sluice.approvals")
 
@@ -104,6 +104,10 @@ class Approvals:
         self._loop = asyncio.get_running_loop()
         self._refreshed = asyncio.Event()
         self._wake = asyncio.Event()
+        # Once before the first request (this runs before the ready line):
+        # grants kept across a restart apply from the start. One small read.
+        now = time.time()
+        self._apply(*self.store.snapshot(now), self.store.claim_events(now))
         self._task = asyncio.create_task(self._refresh_loop())
 
     def done(self) -> None:
@@ -135,6 +139,9 @@ class Approvals:
         now = time.time()
         snapshot, expired = await asyncio.to_thread(store.snapshot, now)
         events = await asyncio.to_thread(store.claim_events, now)
+        self._apply(snapshot, expired, events)
+
+    def _apply(self, snapshot: Snapshot, expired: list[Grant], events: list[dict[str, Any]]) -> None:
         for grant in expired:
             self.audit.write(event="grant_expired", id=grant.id, profile=grant.profile or None,
                              user=grant.user or None, host=grant.host, method=grant.method, path=grant.path,

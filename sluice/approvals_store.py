@@ -72,8 +72,9 @@ class Snapshot:
 
 
 class ApprovalStore:
-    def __init__(self, state_dir: str | None) -> None:
+    def __init__(self, state_dir: str | None, *, announce_new: bool = True) -> None:
         self.path = os.path.join(state_dir, FILE_NAME) if state_dir else None
+        self.announce_new = announce_new  # say so when the file is not there yet
         self._lock = threading.Lock()
         self._db = self._open()
 
@@ -106,7 +107,7 @@ class ApprovalStore:
                   "with no approvals", file=sys.stderr)
             return self._connect(self.path)
         finally:
-            if not existed:
+            if not existed and self.announce_new:
                 print(f"sluice: no approvals state at {self.path} yet; starting with no approvals", file=sys.stderr)
 
     @staticmethod

@@ -144,10 +144,10 @@ def supervise(count: int, worker_args: list[str], admin: str = "off", drain_time
     # admin endpoint answers from: --state-dir's, else one in the private
     # directory, gone at exit (the workers' ready line names it).
     if state_dir is None:
-        state_dir = directory
-        worker_args = [*worker_args, "--state-dir", directory]
+        worker_args = ["--state-dir", directory, *worker_args]
     try:
-        store = ApprovalStore(state_dir)
+        # A private file is new by design: no "starting with no approvals" line for it.
+        store = ApprovalStore(state_dir or directory, announce_new=state_dir is not None)
     except (OSError, sqlite3.Error) as e:
         shutil.rmtree(directory, ignore_errors=True)
         print(f"sluice: --state-dir {state_dir}: cannot keep the approvals state there ({e}); give a directory "
