@@ -375,8 +375,9 @@ def test_workers_share_the_state_and_the_supervisor_serves_the_verbs(sluice_fact
     assert len(asked) == 1, asked
     assert cli(proxy, "approve", ids.pop()).returncode == 0
     eventually_allowed(proxy, "http://ask15.example/")
-    for i in range(6):  # every worker sees it
-        assert absolute_form(proxy.address, f"http://ask15.example/{i}").status == 200
+    # Every worker sees it within its next refresh (at most a second).
+    wait_until(lambda: all(absolute_form(proxy.address, f"http://ask15.example/{i}").status == 200
+                           for i in range(6)), timeout=5, what="the grant in every worker")
     granted = wait_until(lambda: [e for e in proxy.audit() if e["event"] == "approval_granted"], timeout=5,
                          what="approval_granted")
     assert len(granted) == 1
