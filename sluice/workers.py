@@ -56,7 +56,7 @@ def enable_reuse_port() -> None:
 class WorkersEndpoints:
     """The admin endpoints of `--workers N`, aggregated over the workers."""
 
-    approvals = None  # the /approvals endpoints (addons/admin.py ApprovalDesk) over the shared state
+    approvals = None  # the /approvals endpoints (sluice/admin.py ApprovalDesk) over the shared state
 
     def __init__(self, directory: str, children: list[subprocess.Popen], state: dict) -> None:
         from sluice.addons.metrics import workers_registry
