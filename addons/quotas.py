@@ -109,6 +109,16 @@ class TransferCharge:
         _, resets_in = self.counters.spent(quotas.bytes_key(self.key), quotas.HOUR, self.clock())
         return quotas.transfer_refusal(self.limits, resets_in, cut=True)
 
+    async def whole(self, n: int) -> Refusal | None:
+        """A body of `n` bytes that goes whole or not at all (one mitmproxy
+        read whole): charged if it fits, else its refusal, charging nothing."""
+        if self.enforce:
+            used, resets_in = await self.counters.window(quotas.bytes_key(self.key), quotas.HOUR, self.clock())
+            if used + n > self.limits.bytes_per_hour:
+                return quotas.upload_refusal(self.limits, n, used, resets_in)
+        self(n)
+        return None
+
 
 class Quotas:
     def __init__(self, source: PolicySource, audit: AuditLog, caps: Caps, gate: EgressGate,
@@ -303,18 +313,20 @@ class Quotas:
     # ---- HTTP transfer ---------------------------------------------------------
 
     @fail_closed()
-    def request(self, flow: http.HTTPFlow) -> None:
+    async def request(self, flow: http.HTTPFlow) -> None:
         """A request body mitmproxy read whole (it had a Content-Length) is
-        charged before it goes upstream; one that does not fit is refused
-        and never sent. (Streamed bodies were charged chunk by chunk.)"""
+        charged before it goes upstream; one that does not fit is refused,
+        never sent, and not charged (no byte of it passed). (Streamed bodies
+        were charged chunk by chunk.)"""
         outcome = outcome_of(flow)
         charge = outcome.transfer if outcome is not None else None
         if charge is None or flow.response is not None or flow.request.stream or not outcome.decision.allowed:
             return
         n = len(flow.request.raw_content or b"")
-        if n and charge(n) < n:
+        refusal = await charge.whole(n) if n else None
+        if refusal is not None:
             outcome.transfer = None
-            self._refuse_flow(flow, outcome, charge.refusal())
+            self._refuse_flow(flow, outcome, refusal)
 
     def response(self, flow: http.HTTPFlow) -> None:
         if flow.request.method != "CONNECT" and flow.response.status_code != 101:

@@ -251,6 +251,19 @@ def transfer_refusal(limits: Limits, resets_in: float, *, cut: bool = False) -> 
                    f"{what} of {size_text(limits.bytes_per_hour)}; it resets in {_when(retry)}", retry_after=retry)
 
 
+def upload_refusal(limits: Limits, size: int, used: int, resets_in: float) -> Refusal:
+    """A request body read whole that does not fit in what is left of
+    `bytes_per_hour`: refused before it is sent, and not charged (no byte of
+    it passed)."""
+    assert limits.bytes_per_hour is not None  # only a quota that is set can be too small
+    retry = _seconds(resets_in)
+    left = max(0, limits.bytes_per_hour - used)
+    return Refusal(Reason.QUOTA_EXCEEDED,
+                   f"this request's {size}-byte body does not fit in what is left of this agent's hourly transfer "
+                   f"quota of {size_text(limits.bytes_per_hour)} ({left} bytes left); it resets in {_when(retry)}",
+                   retry_after=retry)
+
+
 def rate_refusal(limits: Limits, wait: float) -> Refusal:
     """Over `requests_per_second`/`burst`: `wait` seconds until a token."""
     return Refusal(Reason.RATE_LIMITED,

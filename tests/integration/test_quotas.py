@@ -10,6 +10,7 @@ global `max_total_connections`.
 from __future__ import annotations
 
 import base64
+import re
 import socket
 import struct
 import time
@@ -243,10 +244,15 @@ def test_bytes_per_hour_counts_uploads_before_they_go_upstream(proxy, net):
     assert _post(proxy, "/upload/1", b"u" * 15000).status == 200
     refused = _post(proxy, "/upload/2", b"u" * 10000)
     assert (refused.status, refused.sluice_reason) == (429, "quota_exceeded"), refused
-    assert "used up its hourly transfer quota of 20 KiB" in refused.text
+    assert ("10000-byte body does not fit in what is left of this agent's hourly transfer quota of 20 KiB"
+            in refused.text)
+    left = int(re.search(r"\((\d+) bytes left\)", refused.text).group(1))
+    assert QUOTA - 15000 - 100 < left < QUOTA - 15000  # the first upload and its response, not the refused body
     assert not any(r.path == "/upload/2" for r in origin.requests)
     line = proxy.wait_audit(lambda e: e.get("reason") == "quota_exceeded", since=mark)
     assert (line["event"], line["method"], line["status"]) == ("request", "POST", 429)
+    # The refused body was not charged: what is left still goes, and uses the quota up.
+    assert _post(proxy, "/upload/rest", b"u" * left).status == 200
     # Used up: a chunked upload is refused before it starts too.
     chunked = _post(proxy, "/upload/3", b"u" * 100, chunked=True)
     assert (chunked.status, chunked.sluice_reason) == (429, "quota_exceeded"), chunked
