@@ -123,8 +123,10 @@ def read_response(reader: _Reader, method: str = "GET", connect: bool = False) -
     return Response(status, reason, headers, body, head)
 
 
-def open_socket(addr: tuple[str, int] | str, timeout: float = 10) -> socket.socket:
-    return socket.create_connection(_addr(addr), timeout=timeout)
+def open_socket(addr: tuple[str, int] | str, timeout: float = 10, source: str | None = None) -> socket.socket:
+    """A connection to addr, from the local address `source` when given (quota tests tell clients apart by it)."""
+    return socket.create_connection(_addr(addr), timeout=timeout,
+                                    source_address=(source, 0) if source is not None else None)
 
 
 def http_request(proxy: tuple[str, int] | str, raw: bytes, timeout: float = 15) -> Response:
@@ -179,9 +181,10 @@ class Tunnel:
             pass
 
 
-def connect(proxy, authority: str, timeout: float = 15) -> tuple[Response, Tunnel | None]:
-    """CONNECT authority; returns (response, tunnel or None). Caller closes the tunnel."""
-    s = open_socket(proxy, timeout)
+def connect(proxy, authority: str, timeout: float = 15, source: str | None = None) -> tuple[Response, Tunnel | None]:
+    """CONNECT authority (from the local address `source` when given); returns
+    (response, tunnel or None). Caller closes the tunnel."""
+    s = open_socket(proxy, timeout, source)
     s.sendall(f"CONNECT {authority} HTTP/1.1\r\nHost: {authority}\r\n\r\n".encode())
     reader = _Reader(s)
     response = read_response(reader, method="CONNECT", connect=True)

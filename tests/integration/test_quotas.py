@@ -18,7 +18,7 @@ import time
 import pytest
 
 from harness import default_policy
-from harness.clients import Tunnel, _Reader, read_response
+from harness.clients import _Reader, connect, read_response
 from sluice.policy.loader import hash_password
 
 pytestmark = pytest.mark.netns
@@ -83,14 +83,7 @@ class KeepAlive:
 
 
 def _connect_tunnel(proxy, source: str, authority: str = "8.8.8.8:80"):
-    s = _connect(proxy, source)
-    s.sendall(f"CONNECT {authority} HTTP/1.1\r\nHost: {authority}\r\n\r\n".encode())
-    reader = _Reader(s)
-    response = read_response(reader, method="CONNECT", connect=True)
-    if response.status == 200:
-        return response, Tunnel(s, reader)
-    s.close()
-    return response, None
+    return connect(proxy.address, authority, source=source)
 
 
 def _socks(proxy, source: str, host: str = "8.8.8.8", port: int = 80):

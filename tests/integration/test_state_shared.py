@@ -14,7 +14,7 @@ import time
 import pytest
 
 from harness import default_policy
-from harness.clients import Tunnel, _Reader, read_response
+from harness.clients import _Reader, connect, read_response
 from harness.redis_server import RedisServer
 from harness.wait import wait_until
 
@@ -53,14 +53,7 @@ def _get(proxy, source: str, url: str = "http://8.8.8.8/"):
 
 
 def _tunnel(proxy, source: str):
-    s = socket.create_connection(proxy.address, timeout=15, source_address=(source, 0))
-    s.sendall(b"CONNECT 8.8.8.8:80 HTTP/1.1\r\nHost: 8.8.8.8:80\r\n\r\n")
-    reader = _Reader(s)
-    response = read_response(reader, method="CONNECT", connect=True)
-    if response.status == 200:
-        return response, Tunnel(s, reader)
-    s.close()
-    return response, None
+    return connect(proxy.address, "8.8.8.8:80", source=source)
 
 
 def test_one_clients_rate_is_held_across_both_processes(pair):
