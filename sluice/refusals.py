@@ -27,7 +27,7 @@ _PROXY_STATUS_ERRORS = {
     Reason.DNS_FAILED: "dns_error",
     Reason.CONNECT_TIMEOUT: "connection_timeout",
     Reason.REQUEST_TIMEOUT: "http_response_timeout",
-    Reason.RESPONSE_TOO_LARGE: "http_response_content_length",
+    Reason.RESPONSE_TOO_LARGE: "http_response_body_size",
     Reason.REQUEST_TOO_LARGE: "http_request_error",
     Reason.CLIENT_UNKNOWN: "http_request_denied",
     # The request itself is at fault, not the destination.
@@ -36,6 +36,17 @@ _PROXY_STATUS_ERRORS = {
     Reason.CLIENT_PROTOCOL_REFUSED: "http_request_error",
     Reason.SCHEME_NOT_ALLOWED: "http_request_error",
     Reason.PROXY_LOOP: "proxy_loop_detected",
+    # The next hop (the policy's parent proxy) was down, slow or refused the CONNECT: whichever, it is
+    # unavailable for this request; `proxy_internal_error` would blame Sluice.
+    Reason.UPSTREAM_PROXY_FAILED: "destination_unavailable",
+    # Throttles and limits: refused by configuration and never forwarded, not a fault of the proxy.
+    Reason.RATE_LIMITED: "http_request_denied",
+    Reason.HOST_RATE_LIMITED: "http_request_denied",
+    Reason.QUOTA_EXCEEDED: "http_request_denied",
+    Reason.TOO_MANY_CONNECTIONS: "http_request_denied",
+    Reason.TOO_MANY_TUNNELS: "http_request_denied",
+    Reason.AUTH_THROTTLED: "http_request_denied",
+    Reason.HEADERS_TOO_LARGE: "http_request_error",
 }
 
 

@@ -249,6 +249,9 @@ def test_refused_traffic_never_reaches_the_parent(proxy, open_parent, how, targe
 
 # ---- a parent that fails is upstream_proxy_failed -------------------------------------
 
+# RFC 9209: the next hop is unavailable (not proxy_internal_error: Sluice itself did not fail).
+PARENT_FAILED_STATUS = 'sluice; error=destination_unavailable; details="upstream_proxy_failed"'
+
 
 def test_a_parent_refusing_the_port_is_upstream_proxy_failed_naming_its_403(proxy, open_parent):
     # tinyproxy's ConnectPort (like Squid's SSL_ports) allows 80 and 443 here, not 8080.
@@ -257,6 +260,7 @@ def test_a_parent_refusing_the_port_is_upstream_proxy_failed_naming_its_403(prox
     assert re.search(rf"the parent proxy {re.escape(open_parent.url)} answered 'HTTP/1\.[01] 403 Access violation' "
                      rf"to CONNECT {re.escape(ORIGIN_IP)}:8080\.", result.text), result.text
     assert "retrying later may help" in result.text
+    assert result.headers.get("proxy-status") == PARENT_FAILED_STATUS
     assert open_parent.requests()[-1] == f"CONNECT {ORIGIN_IP}:8080 HTTP/1.1"
     entry = proxy.wait_audit(lambda e: e.get("reason") == "upstream_proxy_failed" and e.get("port") == 8080)
     assert "403" in entry["detail"]
@@ -267,6 +271,7 @@ def test_a_parent_that_is_down_is_upstream_proxy_failed(sluice_factory, tls_ca, 
     proxy = start_proxy(sluice_factory, tls_ca, secrets, f'{{url: "{down}"}}', "parent-down")
     result = curl("-x", proxy.proxy_url, f"http://{TUNNEL}/")
     assert result.status == 502 and result.sluice_reason == "upstream_proxy_failed", result
+    assert result.headers.get("proxy-status") == PARENT_FAILED_STATUS
     assert f"the parent proxy {down} is down or unreachable (Connect call failed" in result.text or \
            f"the parent proxy {down} is down or unreachable (Connection refused" in result.text, result.text
     tunnel = curl("-x", proxy.proxy_url, "--cacert", tls_ca.cafile, f"https://{TUNNEL}/")
