@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from sluice.policy.approvals import DEFAULT_DENY_FOR, Ask, AskKey, Grant, scoped
+from sluice.policy.state import StateSettings
 
 FILE_NAME = "approvals.sqlite3"
 SCHEMA_VERSION = 1
@@ -60,6 +61,11 @@ CREATE TABLE IF NOT EXISTS events (
 
 class ApprovalError(Exception):
     """An admin request that cannot be done (no such id, a bad scope), as a sentence."""
+
+
+class ApprovalsUnavailable(Exception):
+    """The approvals' store did not answer (or holds what is not Sluice's), as
+    a sentence: the gate keeps its last snapshot, the admin verbs answer 503."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -280,3 +286,15 @@ def grant_record(event: str, grant: Grant, reason: str | None, detail: str) -> d
     return {"event": event, "id": grant.id, "profile": grant.profile or None, "user": grant.user or None,
             "host": grant.host, "method": grant.method, "path": grant.path,
             "decision": "refuse" if grant.denied else "allow", "reason": reason, "detail": detail}
+
+
+def open_approvals(state: StateSettings | None, state_dir: str | None, *, announce_new: bool = True) -> Any:
+    """Where approvals live, chosen in this one place: the policy's state
+    store when it has `state` (sluice/approvals_redis.py; no file is made or
+    read), else SQLite in `state_dir` (in memory without one). Raises
+    OSError or sqlite3.Error when the file cannot be kept there."""
+    if state is not None:
+        from sluice.approvals_redis import RedisApprovalStore
+
+        return RedisApprovalStore(state)
+    return ApprovalStore(state_dir, announce_new=announce_new)
