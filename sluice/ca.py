@@ -18,6 +18,7 @@ from __future__ import annotations
 import atexit
 import os
 import shutil
+import stat
 import sys
 import tempfile
 from pathlib import Path
@@ -42,12 +43,71 @@ def ca_dir(explicit: str | None) -> Path:
     """The CA directory the proxy gives mitmproxy: the given one, or a
     private writable copy of it when it is read-only (a mounted Secret).
 
-    Raises ValueError with a one-line reason when a read-only directory
-    holds no CA or cannot be copied."""
+    Raises ValueError with a one-line reason when the directory is not this
+    user's to read, or a read-only directory holds no CA or cannot be copied."""
     given = given_ca_dir(explicit)
+    problem = unreadable_problem(given)
+    if problem is not None:
+        raise ValueError(problem)
     if not given.is_dir() or os.access(given, os.W_OK):
         return given
     return working_copy(given)
+
+
+def unreadable_problem(directory: Path) -> str | None:
+    """Why this process cannot read the CA in `directory`, naming the fix;
+    None when it can (or there is nothing there yet to read).
+
+    The usual cause: a CA made on the host with `sluice ca` is the host
+    user's and owner-only (0700, key 0600), then mounted into the image,
+    which runs as another uid."""
+    unreadable = None
+    try:
+        info = directory.stat()
+    except FileNotFoundError:
+        return None
+    except PermissionError:
+        return (f"the CA directory {directory} cannot be reached by this process (uid {os.getuid()}): a directory "
+                "above it is closed to this user; mount the CA somewhere this user may read")
+    if not stat.S_ISDIR(info.st_mode):
+        return None
+    if not os.access(directory, os.R_OK | os.X_OK):
+        unreadable = directory
+    else:
+        for name in (KEY_FILE, CERT_FILE, "tls.key", "tls.crt"):
+            path = directory / name
+            if path.exists() and not os.access(path, os.R_OK):
+                unreadable, info = path, path.stat()
+                break
+    if unreadable is None:
+        return None
+    uid, gid = os.getuid(), os.getgid()
+    what = "the CA directory" if unreadable == directory else "the CA file"
+    return (f"{what} {unreadable} is owned by {info.st_uid}:{info.st_gid} with mode "
+            f"{stat.S_IMODE(info.st_mode):04o}, and this process runs as {uid}:{gid}, so it cannot read the CA: "
+            f"give the directory to this user before mounting it (`sudo chown -R {uid}:{gid} DIR`, or create it "
+            f"with `sudo sluice ca --ca-dir DIR --owner {uid}:{gid}`), keeping it owner-only (0700, key 0600)")
+
+
+def parse_owner(text: str) -> tuple[int, int]:
+    """`--owner UID[:GID]` (numbers: the image's user need not exist here); GID defaults to UID."""
+    uid_text, _, gid_text = text.partition(":")
+    try:
+        uid, gid = int(uid_text), int(gid_text or uid_text)
+    except ValueError:
+        raise ValueError(f"--owner {text!r}: give a numeric UID or UID:GID (the image runs as 10001:10001)") from None
+    if not (0 <= uid < 2**32 - 1 and 0 <= gid < 2**32 - 1):
+        raise ValueError(f"--owner {text!r}: not a valid UID:GID")
+    return uid, gid
+
+
+def give_to(directory: Path, uid: int, gid: int) -> None:
+    """Make the CA directory and its files uid:gid's; modes stay owner-only.
+    Symbolic links are neither followed nor changed."""
+    os.chown(directory, uid, gid, follow_symlinks=False)
+    for path in directory.iterdir():
+        if not path.is_symlink():
+            os.chown(path, uid, gid, follow_symlinks=False)
 
 
 def working_copy(source: Path) -> Path:
@@ -113,15 +173,31 @@ MOUNT_ADVICE = """\
 #   --from-file=DIR/mitmproxy-ca-cert.pem, mounted read-only and given as --ca-dir (see docs/deploy.md)."""
 
 
-def show(explicit: str | None) -> int:
+def show(explicit: str | None, owner: str | None = None) -> int:
     directory = given_ca_dir(explicit)
+    try:
+        uid_gid = parse_owner(owner) if owner is not None else None
+    except ValueError as e:
+        print(f"sluice: {e}", file=sys.stderr)
+        return 2
     try:
         cert = ensure_ca(directory)
     except OSError as e:
         print(f"sluice: cannot create the CA in {directory}: {e.strerror or e}", file=sys.stderr)
         return 2
+    if uid_gid is not None:
+        try:
+            give_to(directory, *uid_gid)
+        except OSError as e:
+            uid, gid = uid_gid
+            print(f"sluice: cannot give the CA directory {directory} to {uid}:{gid} ({e.strerror or e}): only root "
+                  f"may; run `sudo chown -R {uid}:{gid} {directory}` (the CA is made and stays owner-only)",
+                  file=sys.stderr)
+            return 2
     print(f"# Sluice interception CA certificate: {cert}")
     print(f"# Private key (keep it on the proxy only): {directory / KEY_FILE}")
+    if uid_gid is not None:
+        print(f"# Owned by {uid_gid[0]}:{uid_gid[1]}, mode 0700 (key 0600): mount it for a proxy running as that user")
     print(MOUNT_ADVICE)
     print(cert.read_text(), end="")
     return 0

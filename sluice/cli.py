@@ -130,6 +130,9 @@ def _parser() -> argparse.ArgumentParser:
     ca = sub.add_parser("ca", help="print the interception CA certificate's path and PEM (creating it if missing)")
     ca.add_argument("--ca-dir", default=None, metavar="DIR",
                     help="CA directory (default: $SLUICE_CA_DIR or ~/.sluice/ca)")
+    ca.add_argument("--owner", default=None, metavar="UID[:GID]",
+                    help="give the directory and its files to this numeric user (as root), for a proxy that runs "
+                         "as another user: 10001 for the image; modes stay 0700 and 0600")
 
     policy = sub.add_parser(
         "policy", help="check, explain and test policies",
@@ -300,7 +303,7 @@ def _main(argv: list[str] | None) -> int:
     if args.command == "ca":
         from sluice.ca import show
 
-        return show(args.ca_dir)
+        return show(args.ca_dir, args.owner)
     if args.command == "approvals":
         from sluice import approvals_cli
 

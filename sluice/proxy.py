@@ -24,7 +24,7 @@ from sluice.admin import (
 from sluice.own_host import ADMIN_ENV, OWN_HOST
 from sluice.addons.sluice_addon import make_addons
 from sluice.approvals_store import ApprovalStore
-from sluice.ca import ca_dir, ensure_ca
+from sluice.ca import ca_dir, ensure_ca, given_ca_dir
 from sluice.cli import EXIT_USAGE, listen_problem
 from sluice.listen import parse_listen
 from sluice.workers import REUSE_PORT_ENV, enable_reuse_port
@@ -234,7 +234,7 @@ def run(policy: str, listen: str, modes: list[str], audit_log: str, sets: list[s
         print(f"sluice: {e}", file=sys.stderr)
         return 2
     except OSError as e:
-        print(f"sluice: cannot prepare the CA directory {directory}: {e.strerror or e}", file=sys.stderr)
+        print(f"sluice: cannot prepare the CA directory {given_ca_dir(ca)}: {e.strerror or e}", file=sys.stderr)
         return 2
     logging.getLogger("asyncio").setLevel(logging.WARNING)
     open_files.raise_limit()  # soft open-files limit up to the hard one (see docs/deploy.md)
