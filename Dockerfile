@@ -44,5 +44,6 @@ EXPOSE 8080
 HEALTHCHECK --interval=10s --timeout=3s --start-period=15s --retries=3 \
     CMD ["python", "-c", "import urllib.request as u; u.build_opener(u.ProxyHandler({})).open('http://127.0.0.1:9090/readyz', timeout=2)"]
 ENTRYPOINT ["sluice", "proxy", "--policy", "/etc/sluice/policy.yaml", "--listen", "0.0.0.0:8080"]
-# Add e.g. `--mode regular --mode socks5@1080`, `--workers 2` or `--ca-dir /etc/sluice-ca` as arguments.
+# Add e.g. `--mode regular --mode socks5@1080`, `--workers 2` or `--ca-dir /etc/sluice-ca` (a directory uid 10001
+# owns: `sluice ca --ca-dir DIR --owner 10001`, docs/deploy.md) as arguments.
 CMD []

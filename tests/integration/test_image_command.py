@@ -7,6 +7,11 @@ the image copies to /etc/sluice/policy.yaml, the CA directory of its ENV),
 inside a namespace of its own as a container would be (it listens on
 0.0.0.0:8080 there, and reaches the test origins through a veth). The
 HEALTHCHECK command is run inside that namespace too.
+
+As the image's USER (uid 10001, no capabilities: harness/image_user.py),
+the ENTRYPOINT with compose.intercept.yaml's command and its read-only CA
+mount intercepts with a CA directory given to that user as docs/deploy.md
+says, and a directory left to root is one line naming the fix.
 """
 
 from __future__ import annotations
@@ -18,13 +23,17 @@ import shlex
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import pytest
+import yaml
 
+from harness import image_user
 from harness.agentns import AgentNamespace, missing_tools
 from harness.clients import curl
+from harness.fakedns import FakeDNS
 from harness.sluice import SluiceProcess, default_policy, sluice_executable
 
 pytestmark = pytest.mark.netns
@@ -96,9 +105,13 @@ class ImageCommand(SluiceProcess):
         self.argv = argv
 
     def command(self) -> list[str]:
+        return self.container.wrap(self.image_argv())
+
+    def image_argv(self) -> list[str]:
+        """The image's argv, its paths pointing into the test's directory."""
         self.host, self.port = self.container.inner_ip, 8080
         paths = {"sluice": sluice_executable(), IMAGE_POLICY: str(self.policy_file)}
-        return self.container.wrap([paths.get(a, a) for a in self.argv])
+        return [paths.get(a, a) for a in self.argv]
 
 
 @pytest.fixture(scope="module")
@@ -207,3 +220,151 @@ def test_replicas_given_one_read_only_ca_present_certificates_from_it(netns, fak
     finally:
         for replica in replicas:
             replica.stop()
+
+
+# ------------------------------------------------ a mounted CA directory, as the image's user
+
+COMPOSE_INTERCEPT = ROOT / "deploy" / "compose" / "compose.intercept.yaml"
+
+
+def image_user_ids() -> tuple[int, int]:
+    """The final stage's USER, uid:gid (numeric, as runAsNonRoot needs)."""
+    found = [rest for word, rest in final_stage() if word == "USER"]
+    assert found, "the image sets no USER: it would run as root"
+    uid, _, gid = found[-1].partition(":")
+    return int(uid), int(gid or uid)
+
+
+def compose_intercept() -> tuple[list[str], str, bool]:
+    """compose.intercept.yaml's Sluice: its command (the image's CMD), where it
+    mounts ./ca, and whether read-only."""
+    sluice = yaml.safe_load(COMPOSE_INTERCEPT.read_text())["services"]["sluice"]
+    [volume] = [v for v in sluice["volumes"] if v.split(":")[0] == "./ca"]
+    _, target, *mode = volume.split(":")
+    assert target in sluice["command"], "the compose command does not give the mounted CA as --ca-dir"
+    return sluice["command"], target, mode == ["ro"]
+
+
+class ImageUserCommand(ImageCommand):
+    """The image's ENTRYPOINT + compose.intercept's command, run as the image's
+    user with the CA directory mounted as compose mounts it."""
+
+    def __init__(self, workdir: Path, container: AgentNamespace, ca: Path, readable: list[Path],
+                 extra: tuple[str, ...] = ()):
+        command, self.ca_target, self.ca_read_only = compose_intercept()
+        super().__init__(workdir, container, exec_form("ENTRYPOINT") + command + list(extra))
+        self.ca, self.readable = ca, readable
+
+    def image_argv(self) -> list[str]:
+        return [str(self.ca) if a == self.ca_target else a for a in super().image_argv()]
+
+    def command(self) -> list[str]:
+        uid, gid = image_user_ids()
+        return self.container.wrap(image_user.as_user(
+            self.image_argv(), uid=uid, gid=gid, stash=self.container.stash / self.workdir.name,
+            readable=[*image_user.interpreter_paths(), *self.readable, self.workdir],
+            read_only=[self.ca] if self.ca_read_only else []))
+
+
+@pytest.fixture(scope="module")
+def user_container(netns):
+    missing = missing_tools() or ([why] if (why := image_user.missing()) else [])
+    if missing:
+        pytest.skip(f"running the image's command as its user: {', '.join(missing)}")
+    with AgentNamespace("imgu", "10.199.9") as ns:
+        # The container's resolver: reached over the veth, as a cluster's DNS service is.
+        dns = FakeDNS(ns.outer_ip, 53)
+        dns.set("example.com", a=["8.8.8.8"])
+        dns.start()
+        ns.stash = Path(tempfile.mkdtemp(prefix="sluice-image-user-"))  # outside pytest's closed directories
+        try:
+            yield ns
+        finally:
+            dns.stop()
+            shutil.rmtree(ns.stash, ignore_errors=True)
+
+
+def image_user_workdir(tmp_path: Path) -> Path:
+    """The test's directory as the image's filesystem has it: the policy
+    readable by all, a HOME (the image's /var/lib/sluice) its user's own."""
+    uid, gid = image_user_ids()
+    tmp_path.chmod(0o755)
+    home = tmp_path / "var-lib-sluice"
+    (home / "ca").mkdir(parents=True)
+    for path in (home, home / "ca"):
+        os.chown(path, uid, gid)
+    (home / "ca").chmod(0o700)
+    return tmp_path
+
+
+def make_ca(directory: Path, *args: str) -> None:
+    made = subprocess.run([sluice_executable(), "ca", "--ca-dir", str(directory), *args], capture_output=True,
+                          text=True, timeout=60)
+    assert made.returncode == 0, made.stderr
+
+
+def run_as_image_user(proc: ImageUserCommand, monkeypatch) -> ImageUserCommand:
+    monkeypatch.setenv("HOME", str(proc.workdir / "var-lib-sluice"))
+    monkeypatch.setenv("SLUICE_CA_DIR", str(proc.workdir / "var-lib-sluice" / "ca"))
+    return proc
+
+
+@pytest.mark.parametrize("how", ["sluice ca --owner", "chown -R"])
+def test_a_ca_directory_given_to_the_image_user_is_mounted_and_intercepts(user_container, net, tls_ca, tmp_path,
+                                                                          monkeypatch, how):
+    uid, gid = image_user_ids()
+    workdir = image_user_workdir(tmp_path)
+    ca = workdir / "ca"
+    if how == "chown -R":  # docs/deploy.md: made on the host, then given to the image's user
+        make_ca(ca)
+        subprocess.run(["chown", "-R", f"{uid}:{gid}", str(ca)], check=True, timeout=10)
+    else:
+        make_ca(ca, "--owner", f"{uid}:{gid}")
+    key = ca / "mitmproxy-ca.pem"
+    assert (ca.stat().st_uid, ca.stat().st_gid, key.stat().st_uid) == (uid, gid, uid)
+    assert (stat_mode(ca), stat_mode(key)) == (0o700, 0o600), "the CA stays owner-only"
+    before = {p.name: p.read_bytes() for p in ca.iterdir()}
+    policy = default_policy(intercept=["example.com"],
+                            dns={"nameservers": [f"{user_container.outer_ip}:53"], "timeout": "2s"})
+    proc = ImageUserCommand(workdir, user_container, ca, readable=[Path(tls_ca.cafile)],
+                            extra=("--set", f"ssl_verify_upstream_trusted_ca={tls_ca.cafile}"))
+    proc.policy = policy
+    run_as_image_user(proc, monkeypatch).start()
+    try:
+        assert proc.ready_line is not None and proc.ready_line.startswith("sluice: ready on 0.0.0.0:8080"), \
+            proc.ready_line
+        assert process_ids(proc.proc.pid) == (uid, gid), "the proxy must run as the image's user, not root"
+        # The agent trusts only the mounted CA's certificate: the intercepted leaf chains to it.
+        got = curl("-x", f"http://{user_container.inner_ip}:8080", "--cacert", str(ca / "mitmproxy-ca-cert.pem"),
+                   "https://example.com/image-user-ca")
+        assert got.status == 200, (got, proc.stderr_text())
+    finally:
+        proc.stop()
+    assert {p.name: p.read_bytes() for p in ca.iterdir()} == before, "nothing is written into the mounted CA"
+
+
+def test_a_ca_directory_left_to_root_is_one_line_naming_the_fix(user_container, tmp_path, monkeypatch):
+    uid, gid = image_user_ids()
+    workdir = image_user_workdir(tmp_path)
+    ca = workdir / "ca"
+    make_ca(ca)  # as root: root's, 0700, key 0600 (not what docs/deploy.md says to mount)
+    proc = run_as_image_user(ImageUserCommand(workdir, user_container, ca, readable=[]), monkeypatch)
+    proc.policy_file.write_text(copied_policy_source().read_text())
+    out = subprocess.run(proc.command(), capture_output=True, text=True, timeout=60, env={**os.environ})
+    assert out.returncode == 2, out
+    assert "Traceback" not in out.stderr
+    lines = out.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"sluice: the CA directory {ca} is owned by 0:0 with mode 0700"), \
+        out.stderr
+    assert f"runs as {uid}:{gid}" in lines[0] and f"chown -R {uid}:{gid} DIR" in lines[0]
+    assert f"sluice ca --ca-dir DIR --owner {uid}:{gid}" in lines[0]
+
+
+def stat_mode(path: Path) -> int:
+    return path.stat().st_mode & 0o7777
+
+
+def process_ids(pid: int) -> tuple[int, int]:
+    """A process's real uid and gid, from /proc."""
+    fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in line)
+    return int(fields["Uid"].split()[0]), int(fields["Gid"].split()[0])
