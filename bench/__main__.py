@@ -4,11 +4,12 @@
     python -m bench --quick    shorter runs (about 1.5 minutes)
     python -m bench --only connect
                                only the named phases (comma-separated: micro, idle,
-                               http, connect, tunnel); `connect` is CONNECT setups/s
+                               http, connect, store, tunnel); `connect` is CONNECT setups/s,
+                               `store` the cost of quotas in a shared redis-server
     python -m bench micro      the decision microbenchmark only; no namespace needed
     python -m bench extraction main-content F1 per extractor and MB/s of plain html2text vs
                                Sluice's converter on a 2 MiB page; no namespace needed
-    python -m bench deps       install nginx-light, wrk and tinyproxy if missing
+    python -m bench deps       install nginx-light, wrk, tinyproxy and redis-server if missing
                                (as root, outside the namespace: `make bench` does it)
     python -m bench profile    Sluice and mitmdump under a CPU-time sampler and under
                                cProfile: 16-connection load, a tunnel download, CONNECT
@@ -51,7 +52,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=RESULTS, help="where latest.md and latest.json go (default: %(default)s)")
     p.add_argument("--seconds", type=float, default=10.0, help="profile: seconds of load per proxy")
     p.add_argument("--only", type=_phases, default=None,
-                   help="run: only these phases, comma-separated (micro, idle, http, connect, tunnel, extraction); "
+                   help="run: only these phases, comma-separated (micro, idle, http, connect, store, tunnel, "
+                        "extraction); "
                         "profile: only these scenarios (http, tunnel, connect)")
     p.add_argument("--baseline-tree", type=Path, default=None, metavar="DIR",
                    help="run: also run the Sluice of this other checkout (e.g. a git worktree of an older "

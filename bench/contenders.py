@@ -1,5 +1,6 @@
-"""The things compared: the origin directly, plain mitmdump, Sluice with two
-policies, Sluice with two worker processes, tinyproxy, and proxy.py (a lean
+"""The things compared: the origin directly, plain mitmdump, Sluice with its
+policies (default, 10k rules, every quota on: counted in process and in a
+shared store), Sluice with two worker processes, tinyproxy, and proxy.py (a lean
 pure-Python proxy: what a Python proxy without mitmproxy's machinery costs). `roles` says which
 phases measure a contender (micro needs none). Each proxy is its
 own process (or process tree, for --workers) on its own port."""
@@ -80,7 +81,11 @@ def all_contenders() -> list[Contender]:
         Contender("sluice-w2", "Sluice, default policy, --workers 2 (not pinned: both CPUs, shared with wrk and nginx)",
                   18086, frozenset({"http"}), workers=2, pinned=False),
         Contender("sluice-10k", "Sluice, 10k patterns + 1k CIDRs", 18082),
-        Contender("sluice-limits", "Sluice, default policy + every quota limit on", 18088, frozenset({"http", "connect"})),
+        Contender("sluice-limits", "Sluice, default policy + every quota limit on", 18088,
+                  frozenset({"http", "connect", "store"})),
+        # The same quotas counted in a redis-server on loopback (bench.store), beside sluice-limits.
+        Contender("sluice-limits-store", "Sluice, every quota limit on, counted in redis-server (state.store)", 18089,
+                  frozenset({"store"})),
         Contender("tinyproxy", "tinyproxy (reference)", 18083),
         Contender("proxypy", "proxy.py (pure Python, 1 worker, 1 acceptor)", 18084, frozenset({"http", "connect"})),
     ]
@@ -134,6 +139,7 @@ def start(c: Contender, root: Path, policies: dict[str, Path], wrapper: list[str
         elif c.key.startswith("sluice"):
             _start_sluice(c, root, policies["large" if c.key == "sluice-10k" else
                                             "limits" if c.key == "sluice-limits" else
+                                            "limits-store" if c.key == "sluice-limits-store" else
                                             "baseline" if c.key == "sluice-baseline" else "default"])
         elif c.key == "tinyproxy":
             _start_tinyproxy(c, root, wrapper)

@@ -1,9 +1,9 @@
-"""Installs the benchmark's outside tools when missing: nginx, wrk and
-tinyproxy from Debian's packages, proxy.py from PyPI into the venv.
+"""Installs the benchmark's outside tools when missing: nginx, wrk,
+tinyproxy and redis-server from Debian's packages, proxy.py from PyPI into the venv.
 
 Runs outside the namespace (there is no package registry inside it); `make
 bench` calls it first. Never fails the build: a tool still missing makes its
-contender n/a in the report.
+contender n/a in the report (without redis-server the `store` phase is skipped).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-PACKAGES = {"nginx": "nginx-light", "wrk": "wrk", "tinyproxy": "tinyproxy"}
+PACKAGES = {"nginx": "nginx-light", "wrk": "wrk", "tinyproxy": "tinyproxy", "redis-server": "redis-server"}
 # A contender, not a dependency of Sluice: pinned here, installed into the venv.
 PYTHON_PACKAGES = {"proxy": "proxy.py==2.4.10"}
 POLICY_RC = Path("/usr/sbin/policy-rc.d")  # tells Debian packages not to start their services

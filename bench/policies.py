@@ -3,6 +3,8 @@
 - default: config/policy.yaml as shipped, with `dns.nameservers` pointed at
   the benchmark's fake DNS server.
 - baseline: another checkout's config/policy.yaml, likewise (--baseline-tree).
+- limits: the default with every quota on, none ever refusing; limits-store:
+  the same counted in the benchmark's redis-server (written once it is up).
 - large: the same plus an allow list of 10,000 host patterns (exact, `*.`
   and `**.` forms, one of them `**.example` so the benchmark's host is
   allowed) and 500 CIDRs starting at a public address (plus 8.8.8.0/24, for
@@ -106,6 +108,18 @@ def limits_policy(dns_server: str = DNS_SERVER) -> dict:
     data = base_policy(dns_server)
     data["limits"] = {**(data.get("limits") or {}), **QUOTA_LIMITS}
     return data
+
+
+def store_policy(store_url: str, timeout: str, dns_server: str = DNS_SERVER) -> dict:
+    """limits_policy() with its counters in a shared store (bench.store)."""
+    data = limits_policy(dns_server)
+    data["state"] = {"store": {"url": store_url}, "timeout": timeout}
+    return data
+
+
+def write_store(directory: Path, store_url: str, timeout: str) -> Path:
+    return write(directory / "policy-limits-store.yaml", store_policy(store_url, timeout),
+                 f"the limits policy with its counters in {store_url} (state.store)")
 
 
 def write_all(directory: Path, dns_server: str = DNS_SERVER) -> dict[str, Path]:

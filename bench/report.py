@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 from bench import micro
+from bench import store as shared_store
 
 BASE = "mitmdump"
 ORDER = ["direct", "mitmdump", "sluice", "sluice-w2", "sluice-10k", "sluice-limits", "proxypy", "tinyproxy",
@@ -307,6 +308,47 @@ def scaling_note(results: dict) -> str | None:
             "path working (the port and the load shared between workers), not clean scaling." + mem)
 
 
+def _spread_ratio(r: dict | None) -> str:
+    return "–" if not r else f"{_ratio(r['median'])} ({_ratio(r['min'])}–{_ratio(r['max'])}, {r['runs']} rounds)"
+
+
+def store_lines(results: dict) -> list[str]:
+    """The shared store's cost: the decision alone, then Sluice end to end."""
+    st = results.get("store") or {}
+    if "skipped" in st:
+        return [f"Shared limits (phase `store`): skipped ({st['skipped']})"]
+    lines = shared_store.decision_table(st.get("decisions") or {"error": st.get("error", "not run")})
+    http, conn = st.get("http"), st.get("connect")
+    if st.get("error") and not http:
+        return lines + ["", f"Sluice with its quotas in the store: n/a ({st['error']})"]
+    s = results["settings"]
+    lines += ["", f"Sluice with every quota on (none refusing), its counters in process (`sluice-limits`) against in "
+                  f"{st.get('server')} on loopback (`state.store`, timeout {st.get('timeout_s', 1):g} s; the store on "
+                  f"the load side's core, off Sluice's), interleaved rounds: keep-alive `GET` through wrk on "
+                  f"{(http or {}).get('connections', '?')} connections ({s['duration']:g} s runs), and CONNECT setups "
+                  f"({(conn or {}).get('clients', '?')} clients, {s.get('connect_duration', 4):g} s runs). Values are "
+                  "medians over rounds with their min–max; store / local is the median of same-round ratios (min–max). "
+                  "Store CPU: redis-server's CPU time per request or setup.", "",
+              "| Sluice, every quota on | local counters | shared store | store / local | CPU per op, local / store "
+              "| store / local CPU | store CPU per op |",
+              "|---|---:|---:|---:|---:|---:|---:|"]
+    for label, row, rate in (("keep-alive req/s", http, "rps"), ("CONNECT setups/s", conn, "rate")):
+        if not row:
+            continue
+        local, shared = row.get("sluice-limits", {}), row.get("sluice-limits-store", {})
+        if "error" in local or "error" in shared:
+            lines.append(f"| {label} | {_na(local.get('error', ''))} | {_na(shared.get('error', ''))} | | | | |")
+            continue
+        cells = [f"{_num(r[rate])} ({_spread(r.get(f'{rate}_runs'))})" for r in (local, shared)]
+        lines.append(f"| {label} | {cells[0]} | {cells[1]} | {_spread_ratio(row.get('ratio'))} | "
+                     f"{_cpu(local.get('cpu_us'))} / {_cpu(shared.get('cpu_us'))} | "
+                     f"{_spread_ratio(row.get('cpu_ratio'))} | {_cpu(shared.get('store_cpu_us'))} |")
+    if st.get("fallbacks"):
+        lines += ["", f"Warning: the store-backed Sluice fell back to local counting {st['fallbacks']} time(s) (the "
+                      "store did not answer within its timeout): its figures mix in local counting."]
+    return lines
+
+
 def target_table(results: dict) -> list[str]:
     lines = ["| Target | Measured | Met |", "|---|---:|:---:|"]
     for what, value, ok in targets(results):
@@ -318,7 +360,8 @@ def target_table(results: dict) -> list[str]:
 def machine_line(results: dict) -> str:
     m = results["machine"]
     return (f"Machine: {m['nproc']} CPUs ({m['cpu']}), {m['memory_gib']} GiB RAM, Linux {m['kernel']}; "
-            f"Python {m['python']}, mitmproxy {m['mitmproxy']}, {m['nginx']}, {m['wrk']}, {m['tinyproxy']}, {m.get('proxypy', 'proxy.py ?')}. "
+            f"Python {m['python']}, mitmproxy {m['mitmproxy']}, {m['nginx']}, {m['wrk']}, {m['tinyproxy']}, {m.get('proxypy', 'proxy.py ?')}"
+            + (f", {m['redis']}" if m.get("redis") else "") + ". "
             f"Origin: {results.get('origin')}. {m['date']}.")
 
 
@@ -347,6 +390,8 @@ def markdown(results: dict) -> str:
         parts += ["", *http_table(results)]
     if "connect" in phases:
         parts += ["", *connect_table(results)]
+    if "store" in phases:
+        parts += ["", *store_lines(results)]
     if "tunnel" in phases or "idle" in phases:
         parts += ["", *tunnel_table(results)]
     if "extraction" in phases and results.get("extraction"):

@@ -1,12 +1,13 @@
 """The whole benchmark, side by side in one run, inside the namespace.
 
 Order: decision microbenchmark (nothing else running), then the origin, the
-fake DNS server and every proxy start (each proxy pinned to one core, the
+fake DNS server, the store phase's redis-server and every proxy start (each proxy pinned to one core, the
 load generator, origin and this process to the other; the exception is
 Sluice --workers 2, allowed every CPU, the scale-out path); memory per idle
 tunnel on the fresh proxies; request rate and latency at each connection
-count, contenders interleaved and repeated in alternating order; tunnel
-downloads; stop all.
+count, contenders interleaved and repeated in alternating order; CONNECT
+setups; the shared store's decision cost and Sluice with quotas counted
+locally against in the store (bench.store); tunnel downloads; stop all.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from pathlib import Path
 
 from bench import contenders as C
 from bench import connects, load, micro, origin, policies, procs
+from bench import store as shared_store
 from bench.fakedns import FakeDNS
 
 
@@ -85,7 +87,7 @@ class Settings:
 
 
 # What `--only` may name; a full run does them all, in this order.
-PHASES = ("micro", "idle", "http", "connect", "tunnel", "extraction")
+PHASES = ("micro", "idle", "http", "connect", "store", "tunnel", "extraction")
 
 
 class NotInNamespace(Exception):
@@ -211,6 +213,11 @@ def run(settings: Settings, log=print) -> dict:
         dns = FakeDNS()
         # Only the contenders some chosen phase measures are started.
         everyone = [c for c in C.all_contenders() if c.roles & set(phases)]
+        redis = None
+        if "store" in phases:
+            redis = _start_store(root, policy_files, results, log)
+            if redis is None:
+                everyone = [c for c in everyone if c.key != STORE_KEY]
         if settings.baseline_tree and "connect" in phases:
             tree = Path(settings.baseline_tree).resolve()
             policy_files["baseline"] = policies.write_baseline(root, tree)
@@ -227,7 +234,7 @@ def run(settings: Settings, log=print) -> dict:
                 results["origin"] = f"none: {e}"
                 for c in everyone:
                     c.error = "the origin did not start"
-            if "connect" in phases:
+            if "connect" in phases or redis is not None:  # the store phase's CONNECT setups too
                 results["connect_origin"] = _start_echo(root)
             origin_up = not results["origin"].startswith("none")
             wrapper = C.hosts_wrapper(root) if origin_up else None
@@ -249,6 +256,8 @@ def run(settings: Settings, log=print) -> dict:
                 http_phase(everyone, settings, root, results, log, all_cpus)
             if "connect" in phases:
                 connect_phase(everyone, settings, results, log)
+            if redis is not None:
+                store_phase(everyone, settings, root, redis, layout, all_cpus, results, log)
             if "tunnel" in phases:
                 tunnel_phase(everyone, settings, results, log)
             other, stolen = whole.cores()
@@ -265,6 +274,25 @@ def run(settings: Settings, log=print) -> dict:
         results["dns_queries"] = dns.queries
     results["seconds"] = round(time.monotonic() - started, 1)
     return results
+
+
+def _start_store(root: Path, policy_files: dict[str, Path], results: dict, log) -> procs.Proc | None:
+    """The store phase's redis-server (on the load side's core, like nginx), and
+    the policy that counts in it; None (the phase skipped, one line) without it."""
+    why = shared_store.missing()
+    redis = None
+    if why is None:
+        try:
+            redis = shared_store.start(root)
+        except (procs.StartError, OSError) as e:
+            why = f"redis-server did not start: {e}"
+    if redis is None:
+        results["store"] = {"skipped": why}
+        log(f"bench: shared-store phase skipped: {why}")
+        return None
+    results["machine"]["redis"] = shared_store.version()
+    policy_files["limits-store"] = policies.write_store(root, shared_store.url(), f"{shared_store.TIMEOUT:g}s")
+    return redis
 
 
 def _check_works(c: C.Contender) -> None:
@@ -614,6 +642,109 @@ def connect_phase(everyone: list[C.Contender], s: Settings, results: dict, log) 
         log(f"bench:   {c.key}: {row['rate']:.0f} setups/s (runs {row['rate_runs']}), p50 {row['p50_ms']:.1f} ms"
             + (f", {row['rate_ratio']:.2f}x mitmdump" if row.get("rate_ratio") else ""))
     results["connect"] = summary
+
+
+LOCAL_KEY, STORE_KEY = "sluice-limits", "sluice-limits-store"
+
+
+def _ratio_spread(local: list[dict], store: list[dict], field: str) -> dict | None:
+    """Median and min–max of store / local over the rounds both ran."""
+    by_round = {r["round"]: r for r in local if r.get(field)}
+    ratios = [r[field] / by_round[r["round"]][field] for r in store if r.get(field) and r["round"] in by_round]
+    if not ratios:
+        return None
+    return {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios), "runs": len(ratios)}
+
+
+def store_phase(everyone: list[C.Contender], s: Settings, root: Path, redis: procs.Proc,
+                layout: tuple[set[int], set[int]] | None, all_cpus: set[int], results: dict, log) -> None:
+    """The cost of shared limits (bench.store): the quota decision, local
+    against redis-server on loopback; then Sluice with every quota on, local
+    counters (sluice-limits) against the store (sluice-limits-store), keep-alive
+    requests and CONNECT setups, in interleaved rounds."""
+    out: dict = {"server": results["machine"].get("redis"), "url": shared_store.url(),
+                 "timeout_s": shared_store.TIMEOUT}
+    results["store"] = out
+    log("bench: shared-store decision cost (local counters vs redis-server on loopback)")
+    if layout:
+        procs.pin(redis.pid, all_cpus)  # the proxies are idle now: the store may run beside this process
+    try:
+        out["decisions"] = shared_store.decisions(shared_store.url(), quick=s.quick)
+    except Exception as e:  # reported, not fatal
+        out["decisions"] = {"error": f"{type(e).__name__}: {e}"}
+    finally:
+        if layout:
+            procs.pin(redis.pid, layout[0])
+    out["decisions"]["server"] = out["server"]
+    if str(results.get("connect_origin", "none")).startswith("none"):
+        out["error"] = f"no echo origin for the CONNECT setups ({results.get('connect_origin')})"
+        return
+    pair = {c.key: c for c in everyone if c.key in (LOCAL_KEY, STORE_KEY)}
+    missing = [k for k in (LOCAL_KEY, STORE_KEY) if k not in pair or not _usable(pair[k], "store")]
+    if missing:
+        out["error"] = "; ".join(f"{k}: {pair[k].error if k in pair else 'not started'}" for k in missing)
+        return
+    conns = s.connections[0]
+    script = load.wrk_script(root, C.NAME, pair[LOCAL_KEY].url_host, origin.SMALL)
+    rounds = 2 if s.quick else s.rounds
+    runs: dict[str, dict[str, list[dict]]] = {"http": {LOCAL_KEY: [], STORE_KEY: []},
+                                               "connect": {LOCAL_KEY: [], STORE_KEY: []}}
+    for c in pair.values():  # warm-up: connections to the store, scripts loaded, origin keep-alive
+        load.wrk(c.target, script, connections=conns, duration=s.warmup)
+    for rnd in range(rounds):
+        order = [pair[LOCAL_KEY], pair[STORE_KEY]]
+        if rnd % 2:
+            order.reverse()
+        log(f"bench: shared store, round {rnd + 1}/{rounds}: " + " ".join(c.key for c in order))
+        for c in order:
+            for kind in ("http", "connect"):
+                cpu0, store0, foreign = c.cpu_seconds(), redis.cpu_seconds(), procs.ForeignLoad()
+                if kind == "http":
+                    r = load.wrk(c.target, script, connections=conns, duration=s.duration)
+                    done = r.get("requests")
+                else:
+                    r = load.connect_setups(c.proxy, f"{c.url_host}:{connects.PORT}", clients=s.connect_clients,
+                                            seconds=s.connect_duration)
+                    done = r.get("setups")
+                cpu1, store1 = c.cpu_seconds(), redis.cpu_seconds()
+                r["foreign_cores"] = round(foreign.cores()[0], 2)
+                if done and cpu0 is not None and cpu1 is not None:
+                    r["cpu_us"] = (cpu1 - cpu0) / done * 1e6
+                if done and store0 is not None and store1 is not None:
+                    r["store_cpu_us"] = (store1 - store0) / done * 1e6
+                r["round"] = rnd
+                runs[kind][c.key].append(r)
+    for kind, rate, unit in (("http", "rps", "req/s"), ("connect", "rate", "setups/s")):
+        summary: dict = {"connections" if kind == "http" else "clients": conns if kind == "http" else s.connect_clients}
+        for key in (LOCAL_KEY, STORE_KEY):
+            good = [r for r in runs[kind][key] if "error" not in r]
+            if not good:
+                summary[key] = {"error": next((r["error"] for r in runs[kind][key]), "not run")}
+                continue
+            cpus = [r["cpu_us"] for r in good if "cpu_us" in r]
+            summary[key] = {
+                rate: statistics.median(r[rate] for r in good), f"{rate}_runs": [round(r[rate], 1) for r in good],
+                "cpu_us": statistics.median(cpus) if cpus else None,
+                "store_cpu_us": statistics.median([r["store_cpu_us"] for r in good if "store_cpu_us" in r] or [0]),
+                "foreign_cores_runs": [r.get("foreign_cores") for r in good],
+                "failed_runs": [r["error"] for r in runs[kind][key] if "error" in r],
+            }
+        local = [r for r in runs[kind][LOCAL_KEY] if "error" not in r]
+        shared = [r for r in runs[kind][STORE_KEY] if "error" not in r]
+        summary["ratio"] = _ratio_spread(local, shared, rate)
+        summary["cpu_ratio"] = _ratio_spread(local, shared, "cpu_us")
+        if kind == "http":
+            summary["p50_ratio"] = _ratio_spread(local, shared, "p50_us")
+        out[kind] = summary
+        ratio = summary["ratio"]
+        log(f"bench:   {kind}: store/local {unit} " + (f"{ratio['median']:.2f}x ({ratio['min']:.2f}-{ratio['max']:.2f})"
+                                                      if ratio else "n/a"))
+    # A store that stalled past the timeout turns the process to local counting: say so.
+    try:
+        text = pair[STORE_KEY].proc.log.read_text(errors="replace")
+    except OSError:
+        text = ""
+    out["fallbacks"] = text.count("counting in this process until it is back")
 
 
 def tunnel_phase(everyone: list[C.Contender], s: Settings, results: dict, log) -> None:
