@@ -51,9 +51,12 @@ address by its /64, `limits.ipv6_client_prefix`), fixed when the
 connection is accepted; a per-host rate counts the host as the gate
 canonicalised it (`Example.com.` and `example.com` are one host).
 
-The counters are per process (policy.quotas.Counters; `MemoryCounters`
-here): with `--workers N` or several replicas each process enforces its own
-share, as docs/policy.md says.
+Without the policy's `state` the counters are per process
+(policy.quotas.MemoryCounters): with `--workers N` or several replicas each
+process enforces its own share, as docs/policy.md says. With `state.store`
+they are shared (sluice/state_store.py); while that store is down, a limit
+that needs it is counted here (`on_error: local`) or refused with
+`state_store_unavailable` (`closed`, by the checks in policy.quotas).
 """
 
 from __future__ import annotations
@@ -64,6 +67,7 @@ import resource
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import replace
 
 from mitmproxy import connection, http
 from mitmproxy.proxy import mode_specs
@@ -113,7 +117,10 @@ class TransferCharge:
         """A body of `n` bytes that goes whole or not at all (one mitmproxy
         read whole): charged if it fits, else its refusal, charging nothing."""
         if self.enforce:
-            used, resets_in = await self.counters.window(quotas.bytes_key(self.key), quotas.HOUR, self.clock())
+            try:
+                used, resets_in = await self.counters.window(quotas.bytes_key(self.key), quotas.HOUR, self.clock())
+            except CountersUnavailable:  # the store went down since its head was admitted (on_error: closed)
+                return quotas.store_down_refusal("bytes_per_hour")
             if used + n > self.limits.bytes_per_hour:
                 return quotas.upload_refusal(self.limits, n, used, resets_in)
         self(n)
@@ -156,6 +163,12 @@ class Quotas:
         if settings == self.state:
             return
         from sluice.state_store import StoreCounters
+
+        if (settings is not None and self.state is not None and isinstance(self.counters, StoreCounters)
+                and replace(settings, on_error=self.state.on_error) == self.state):
+            # Only on_error changed: the same store, its counts kept.
+            self.state = self.counters.settings = settings
+            return
 
         old, self.state = self.counters, settings
         if settings is None:
@@ -204,11 +217,10 @@ class Quotas:
         if why is not None:
             return why
         state.shared = True
-        try:
-            admitted = live is not None and await quotas.admit_connection(
-                self.counters, _accept_limits(live, client), state.source) is None
-        except CountersUnavailable:
-            admitted = False  # not counted: its first request is checked
+        # Refused here (over max_connections, or its shared store down with
+        # on_error: closed), it is not counted: its first request is checked.
+        admitted = live is not None and await quotas.admit_connection(
+            self.counters, _accept_limits(live, client), state.source) is None
         if admitted:
             if state.counters is None:  # the client left while the store answered
                 self.counters.release(quotas.connection_key(state.source))

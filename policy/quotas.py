@@ -51,7 +51,11 @@ TOTAL_KEY = ("total",)
 
 
 class CountersUnavailable(Exception):
-    """A shared store could not answer; the text says why."""
+    """A shared store could not answer a step that needs a shared limit, and
+    its policy refuses such steps while the store is down (`state.on_error:
+    closed`; with `local` the store answers from this process instead). The
+    text says why, for operators; the checks below turn it into the agent's
+    refusal (`store_down_refusal`)."""
 
 
 # Counted by each process whatever the store: its own file descriptors.
@@ -71,7 +75,11 @@ class Counters(Protocol):
     for the message of a transfer cut.
 
     `now` is this process's monotonic clock; a shared store may measure
-    its buckets and windows on its own clock instead."""
+    its buckets and windows on its own clock instead.
+
+    A shared store that is down may raise `CountersUnavailable` from a step
+    that decides against a limit (`take`, `window`, `count`, an `acquire`
+    with a limit), never from the others."""
 
     async def take(self, key: Hashable, rate: float, burst: float, now: float) -> float:
         """Token bucket `key` (holds up to `burst`, refills `rate` a second,
@@ -279,6 +287,23 @@ def host_rate_refusal(limits: Limits, host: str, wait: float) -> Refusal:
                    f"{host}; other hosts are not affected", retry_after=_seconds(wait))
 
 
+# Retry-After of a refusal for a shared store that is down: the store is
+# probed again every second, and a store restart takes seconds; retrying
+# sooner would only add load to a proxy that refuses anyway.
+STORE_DOWN_RETRY_AFTER = 5
+
+
+def store_down_refusal(limit: str) -> Refusal:
+    """`state.on_error: closed` while the shared store is down: `limit` (the
+    policy key that needs the store) cannot be checked. The store's address
+    is infrastructure: the agent is not told it (the operator's stderr and
+    audit lines name it)."""
+    return Refusal(Reason.STATE_STORE_UNAVAILABLE,
+                   f"the proxy's shared limit store is unreachable, so this agent's {limit} cannot be checked and "
+                   "the policy refuses what needs it until the store is back (state.on_error: closed)",
+                   retry_after=STORE_DOWN_RETRY_AFTER)
+
+
 def tunnels_refusal(limits: Limits) -> Refusal:
     return Refusal(Reason.TOO_MANY_TUNNELS,
                    f"this agent already has {limits.max_tunnels} tunnels open, this policy's max_tunnels",
@@ -300,19 +325,31 @@ async def check_request(counters: Counters, limits: Limits, client: QuotaKey, ho
                         now: float) -> Refusal | None:
     """A new request (an HTTP request, a CONNECT, a SOCKS5 or transparent
     connection): the transfer quota, the request rate and the per-host rate,
-    in that order. A request that passes has taken its tokens."""
+    in that order. A request that passes has taken its tokens. A limit that
+    cannot be checked (`CountersUnavailable`) is refused with
+    `store_down_refusal`; a request with none of these limits set never asks
+    the counters."""
     if limits.bytes_per_hour is not None:
-        used, resets_in = await counters.window(bytes_key(client), HOUR, now)
+        try:
+            used, resets_in = await counters.window(bytes_key(client), HOUR, now)
+        except CountersUnavailable:
+            return store_down_refusal("bytes_per_hour")
         if used >= limits.bytes_per_hour:
             return transfer_refusal(limits, resets_in)
     rate = limits.requests_per_second
     if rate is not None:
-        wait = await counters.take(("rate",) + client, rate, limits.rate_burst, now)
+        try:
+            wait = await counters.take(("rate",) + client, rate, limits.rate_burst, now)
+        except CountersUnavailable:
+            return store_down_refusal("requests_per_second")
         if wait > 0:
             return rate_refusal(limits, wait)
     per_host = limits.max_requests_per_host_per_minute
     if per_host is not None:
-        wait = await counters.take(("host", host.lower()) + client, per_host / MINUTE, per_host, now)
+        try:
+            wait = await counters.take(("host", host.lower()) + client, per_host / MINUTE, per_host, now)
+        except CountersUnavailable:
+            return store_down_refusal("max_requests_per_host_per_minute")
         if wait > 0:
             return host_rate_refusal(limits, host, wait)
     return None
@@ -322,15 +359,21 @@ async def admit_connection(counters: Counters, limits: Limits, source: str | Non
     """Count a client connection against its source address's
     `max_connections` (from accept, or from its first request if it was
     over the limit at accept, until it closes)."""
-    if await counters.acquire(connection_key(source), limits.max_connections):
-        return None
+    try:
+        if await counters.acquire(connection_key(source), limits.max_connections):
+            return None
+    except CountersUnavailable:
+        return store_down_refusal("max_connections")
     return _too_many_connections(limits, source)
 
 
 async def admit_tunnel(counters: Counters, limits: Limits, client: QuotaKey) -> Refusal | None:
     """Count an open tunnel against the client's `max_tunnels`."""
-    if await counters.acquire(tunnel_key(client), limits.max_tunnels):
-        return None
+    try:
+        if await counters.acquire(tunnel_key(client), limits.max_tunnels):
+            return None
+    except CountersUnavailable:
+        return store_down_refusal("max_tunnels")
     return tunnels_refusal(limits)
 
 
@@ -397,8 +440,13 @@ async def over_connections(counters: Counters, limits: Limits, source: str | Non
     `max_connections` meets the limit of the profile its first request
     identified (a user profile may set its own): refused if its source has
     more open than that."""
-    if limits.max_connections is None or await counters.count(connection_key(source)) <= limits.max_connections:
+    if limits.max_connections is None:
         return None
+    try:
+        if await counters.count(connection_key(source)) <= limits.max_connections:
+            return None
+    except CountersUnavailable:
+        return store_down_refusal("max_connections")
     return _too_many_connections(limits, source)
 
 

@@ -53,6 +53,7 @@ class Reason(StrEnum):
     RULE_DENIED = "rule_denied"
     UPSTREAM_PROXY_FAILED = "upstream_proxy_failed"
     APPROVAL_PENDING = "approval_pending"
+    STATE_STORE_UNAVAILABLE = "state_store_unavailable"
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,6 +160,11 @@ REASONS: dict[Reason, ReasonInfo] = {
                                              "the parent proxy (`upstream_proxy`) refused the CONNECT (its status "
                                              "line is quoted), or was down, unreachable or did not answer within "
                                              "`limits.connect_timeout`"),
+    Reason.STATE_STORE_UNAVAILABLE: ReasonInfo(503,
+                                               "the proxy's shared limit store (`state.store`) is unreachable and "
+                                               "the policy's `state.on_error` is `closed`, so a request that needs a "
+                                               "shared limit is refused until the store is back; retry after the "
+                                               "`Retry-After` seconds"),
 }
 
 # Sent with every refusal so an agent knows this is deliberate and final

@@ -6,7 +6,8 @@ throttles are counted when several processes must agree.
         url: rediss://valkey:6379/0
         password: {file: valkey-password}   # or {env: NAME}; never inline
       timeout: 50ms                         # the longest a decision waits on the store
-      on_error: local                       # count in process while the store is down
+      on_error: local                       # while the store is down: count in process (local, the
+                                            # default) or refuse what needs a shared limit (closed)
 
 Without `state` every count stays in the process (policy.quotas.MemoryCounters).
 The store itself is sluice/state_store.py; this module only reads the
@@ -27,7 +28,7 @@ if TYPE_CHECKING:
 STATE_KEYS = ("store", "timeout", "on_error")
 STORE_KEYS = ("url", "password")
 PASSWORD_KEYS = ("file", "env")
-ON_ERROR = ("local",)
+ON_ERROR = ("local", "closed")
 SCHEMES = ("redis", "rediss")
 DEFAULT_TIMEOUT = 0.05
 MAX_TIMEOUT = 5.0
@@ -90,8 +91,9 @@ def read_state(reader: Any, node: yaml.Node) -> StateSettings | None:
     if "on_error" in keys:
         on_error = reader.scalar(keys["on_error"][1])
         if on_error not in ON_ERROR:
-            reader.problem(keys["on_error"][1], f"state.on_error must be local (count in this process while the "
-                                                f"store is down), not {_q(on_error)}")
+            reader.problem(keys["on_error"][1], "state.on_error must be local (count in this process while the "
+                                                "store is down) or closed (refuse what needs a shared limit while "
+                                                f"the store is down), not {_q(on_error)}")
             return None
     return StateSettings(url, password, source, timeout, on_error)
 

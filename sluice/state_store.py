@@ -22,8 +22,13 @@
   the store is marked down (one stderr line, an audit line,
   `sluice_state_store_up 0`) and, until a background ping finds it again,
   every step goes straight to the fallback: counters in this process
-  (`on_error: local`). Back up, it says so, re-registers what this
-  process holds and shares again.
+  (`on_error: local`), or (`closed`) `CountersUnavailable` from every step
+  that needs a shared limit (`take`, `window`, `count`, an `acquire` with a
+  limit), which the checks in policy.quotas turn into a
+  `state_store_unavailable` refusal. What needs no limit, the process's own
+  counts and bytes already passing are counted in this process either way.
+  Back up, it says so, re-registers what this process holds and shares
+  again.
 
 The store is infrastructure, like the DNS server: dialled directly by this
 process, not through the egress gate. Every store step runs in a task with
@@ -236,13 +241,22 @@ class StoreCounters:
             return
         self.up = False
         what = "did not answer within the timeout" if isinstance(error, TimeoutError) else _short(error)
-        fallback = "counting in this process until it is back"
+        fallback = ("refusing what needs a shared limit until it is back (on_error: closed)" if self._closed_mode
+                    else "counting in this process until it is back")
         self._down_why = f"the state store {self.settings.where} is unavailable ({what})"
         self._status(False, f"sluice: state store {self.settings.where} {what}; {fallback}")
 
     _down_why = "the state store is unavailable"
 
+    @property
+    def _closed_mode(self) -> bool:
+        return self.settings.on_error == "closed"
+
     def _fallback(self) -> MemoryCounters:
+        """Where a step that needs a shared limit goes while the store is
+        down: this process's counters, or (on_error: closed) nowhere."""
+        if self._closed_mode:
+            raise CountersUnavailable(self._down_why)
         return self.local
 
     def _spawn(self, step: Any) -> None:
@@ -279,6 +293,8 @@ class StoreCounters:
                 if got:
                     self._held[field] = self._held.get(field, 0) + 1
                 return bool(got)
+        if limit is None:  # nothing to refuse: counted here (released here too) whatever on_error says
+            return await self.local.acquire(key, limit)
         return await self._fallback().acquire(key, limit)
 
     def release(self, key: Hashable) -> None:
