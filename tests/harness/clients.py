@@ -204,9 +204,11 @@ class SocksResult:
         return self.reply == 0
 
 
-def socks5_connect(socks, host: str, port: int, atyp: str = "domain", timeout: float = 15) -> SocksResult:
-    """SOCKS5 CONNECT. atyp: "domain" (send `host` text as is), or "ip" (ATYP 1/4)."""
-    s = open_socket(socks, timeout)
+def socks5_connect(socks, host: str, port: int, atyp: str = "domain", timeout: float = 15,
+                   source: str | None = None) -> SocksResult:
+    """SOCKS5 CONNECT (from the local address `source` when given). atyp:
+    "domain" (send `host` text as is), or "ip" (ATYP 1/4)."""
+    s = open_socket(socks, timeout, source)
     reader = _Reader(s)
     try:
         s.sendall(b"\x05\x01\x00")

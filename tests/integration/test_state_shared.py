@@ -1,8 +1,9 @@
 """Two Sluice processes sharing one state store (a real redis-server on
 loopback, issue 23): one client's rate, tunnels and transfer are held
 together across both; the store killed mid-run leaves both serving
-(`on_error: local`) with a stderr line and an audit line each, and sharing
-resumes once it is back; a process killed with a tunnel open frees its
+(`on_error: local`) with a stderr line and an audit line each, or (`closed`)
+refusing what needs a shared limit with `state_store_unavailable`, and
+sharing resumes once it is back; a process killed with a tunnel open frees its
 slot within the heartbeat's TTL."""
 
 from __future__ import annotations
@@ -10,11 +11,13 @@ from __future__ import annotations
 import signal
 import socket
 import time
+import urllib.request
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from harness import default_policy
-from harness.clients import _Reader, connect, read_response
+from harness.clients import _Reader, connect, read_response, socks5_connect
 from harness.redis_server import RedisServer
 from harness.wait import wait_until
 
@@ -99,6 +102,7 @@ def test_the_store_killed_mid_run_leaves_both_serving_and_sharing_resumes(pair, 
                        what="the store-down line on stderr")
             assert any(line["event"] == "state_store" and line["decision"] == "down"
                        for line in proxy.audit()[audit:])
+            assert _store_up(proxy) == 0
     finally:
         store.start()
     for proxy, (stderr, _) in zip(pair, marks):
@@ -121,3 +125,60 @@ def test_a_process_killed_with_a_tunnel_open_frees_its_slot_within_the_ttl(sluic
     freed = wait_until(lambda: _tunnel(b, KILLED)[1], timeout=25, what="the killed process's slot freed")
     assert time.monotonic() - t0 <= 20  # the heartbeat's TTL (15 s), and a poll's time
     freed.close()
+
+
+# ---- on_error: closed ------------------------------------------------------------
+
+CLOSED_RATE, CLOSED_TUNNELS, UNLIMITED = "127.0.0.6", "127.0.0.7", "127.0.0.8"
+
+
+def _closed_policy(store):
+    return default_policy(
+        state={"store": {"url": store.url}, "timeout": "200ms", "on_error": "closed"},
+        clients=[
+            {"name": "closed-rate", "sources": [f"{CLOSED_RATE}/32"],
+             "limits": {"requests_per_second": 0.01, "burst": 4}},
+            {"name": "closed-tunnels", "sources": [f"{CLOSED_TUNNELS}/32"], "limits": {"max_tunnels": 4}},
+        ])  # UNLIMITED matches no profile: the top level sets no limit
+
+
+def _store_up(proxy) -> float:
+    with urllib.request.build_opener(urllib.request.ProxyHandler({})).open(f"{proxy.admin_url}/metrics",
+                                                                            timeout=5) as r:
+        text = r.read().decode()
+    return next(s.value for f in text_string_to_metric_families(text) for s in f.samples
+                if s.name == "sluice_state_store_up")
+
+
+def test_on_error_closed_refuses_what_needs_a_shared_limit_while_the_store_is_down(sluice_factory, store, pair):
+    closed = (sluice_factory(_closed_policy(store), socks=True, name="closed-a"),
+              sluice_factory(_closed_policy(store), socks=True, name="closed-b"))
+    assert [_get(p, CLOSED_RATE).status for p in closed] == [200, 200]  # the store answers: limits are shared
+    assert [_store_up(p) for p in closed] == [1, 1]
+    marks = [(p.stderr_mark(), p.audit_mark()) for p in (*closed, *pair)]
+    store.stop()
+    try:
+        for proxy, (stderr, audit) in zip(closed, marks):
+            refused = _get(proxy, CLOSED_RATE)
+            assert (refused.status, refused.sluice_reason, refused.headers.get("retry-after")) == (
+                503, "state_store_unavailable", "5")
+            assert "shared limit store is unreachable" in refused.text and "Retry after 5 s." in refused.text
+            response, _ = _tunnel(proxy, CLOSED_TUNNELS)  # max_tunnels needs the store too
+            assert (response.status, response.reason) == (503, "Sluice state_store_unavailable")
+            assert socks5_connect(proxy.socks_address, "8.8.8.8", 80, atyp="ip", source=CLOSED_TUNNELS).reply == 2
+            assert _get(proxy, UNLIMITED).status == 200  # no limit to check: passes
+            wait_until(lambda p=proxy, m=stderr: "refusing what needs a shared limit" in p.stderr_since(m),
+                       timeout=10, what="the store-down line on stderr")
+            lines = proxy.audit()[audit:]
+            assert any(line["event"] == "state_store" and line["decision"] == "down" for line in lines)
+            assert {line["event"] for line in lines if line.get("reason") == "state_store_unavailable"} == {
+                "request", "connect"}  # the refusals' own lines (a refused CONNECT's is a request line too)
+            assert _store_up(proxy) == 0
+    finally:
+        store.start()
+    for proxy, (stderr, _) in zip((*closed, *pair), marks):
+        wait_until(lambda p=proxy, m=stderr: "shared again" in p.stderr_since(m), timeout=15,
+                   what="the store-back line on stderr")
+    assert [_store_up(p) for p in closed] == [1, 1]
+    # a new, empty store: one burst of 4 shared again
+    assert [_get(p, CLOSED_RATE).status for p in (*closed, *closed, closed[0])] == [200, 200, 200, 200, 429]
