@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import replace
 
 import pytest
 from mitmproxy import connection
@@ -256,3 +257,18 @@ def test_on_error_closed_loads_and_a_bad_value_names_both_choices():
         load_policy_text("version: 1\nstate: {store: {url: 'redis://v'}, on_error: open}\n")
     assert "state.on_error must be local" in str(e.value) and "or closed (refuse what needs a shared limit" in str(
         e.value)
+
+
+def test_a_reload_that_changes_only_on_error_keeps_the_store_and_its_counts():
+    async def run():
+        async with InProcess(POLICY) as p:
+            settings = StateSettings("redis://127.0.0.1:1/0", timeout=0.05)  # nothing listens on port 1
+            p.quotas.use_state(settings)
+            store = p.quotas.counters
+            p.quotas.use_state(replace(settings, on_error="closed"))
+            assert p.quotas.counters is store and store.settings.on_error == "closed"
+            assert store.settings is p.quotas.state
+            p.quotas.use_state(replace(settings, url="redis://127.0.0.2:1/0"))  # another store: reconnected
+            assert p.quotas.counters is not store and p.quotas.counters.settings.on_error == "local"
+            p.quotas.use_state(None)
+    asyncio.run(run())
