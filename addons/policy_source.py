@@ -31,6 +31,7 @@ from collections.abc import Callable
 from mitmproxy import ctx, exceptions
 
 from sluice.addons.audit import AuditLog
+from sluice.own_host import parent_loop_problems, proxy_listeners
 from sluice.resolver import PinnedResolver
 from sluice.policy.loader import PolicyInvalid, read_policy_file
 from sluice.policy.model import Policy
@@ -101,6 +102,10 @@ class PolicySource:
                 policy, digest = self._read(path)
             except PolicyInvalid as e:
                 raise exceptions.OptionsError(f"invalid policy:\n{e}") from None
+            # Only the running proxy knows its listeners (`sluice policy check` cannot).
+            loops = parent_loop_problems(policy, proxy_listeners())
+            if loops:
+                raise exceptions.OptionsError("invalid policy:\n" + "\n".join(loops))
             self.install(policy, digest)
             self._last_seen = _signature(path)
 
@@ -198,14 +203,7 @@ class PolicySource:
             return False
         self._missing_reported = False
         if isinstance(outcome, PolicyInvalid):
-            problems = outcome.problems
-            for problem in problems:
-                logger.error(str(problem))
-            logger.error(f"{path}: reload refused ({len(problems)} problem(s)); keeping the last good policy "
-                         f"({self._generation()})")
-            self.audit.write(event="reload", decision="failed", detail="; ".join(str(p) for p in problems[:20]))
-            self._reload_failed = True
-            return False
+            return self._refuse(path, [str(problem) for problem in outcome.problems])
         policy, digest = outcome
         if self.current is not None and digest == self.current.digest:
             if self._reload_failed:  # the last good file is back: say so
@@ -216,12 +214,25 @@ class PolicySource:
             elif explicit:
                 logger.warning(f"{path}: unchanged; keeping the current policy ({self._generation()})")
             return True  # touched, not changed
+        loops = parent_loop_problems(policy, proxy_listeners())
+        if loops:
+            return self._refuse(path, loops)
         self._reload_failed = False
         live = self.install(policy, digest)
         logger.warning(f"{path}: policy reloaded ({self._generation()})")
         self.audit.write(event="reload", decision="ok", detail=f"{path} generation {live.generation}")
         self._notify(live)
         return True
+
+    def _refuse(self, path: str, problems: list[str]) -> bool:
+        """A reload whose policy cannot be used: say why, keep the last good one."""
+        for problem in problems:
+            logger.error(problem)
+        logger.error(f"{path}: reload refused ({len(problems)} problem(s)); keeping the last good policy "
+                     f"({self._generation()})")
+        self.audit.write(event="reload", decision="failed", detail="; ".join(problems[:20]))
+        self._reload_failed = True
+        return False
 
     def _generation(self) -> str:
         return f"generation {self.current.generation}" if self.current is not None else "no policy loaded"

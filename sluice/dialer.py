@@ -49,7 +49,7 @@ from typing import Any, Protocol
 
 from sluice import open_files
 from sluice.addons.audit import peer
-from sluice.own_host import OWN_HOST
+from sluice.own_host import OWN_HOST, parent_loop_detail
 from sluice.policy.hosts import canonical_ip
 from sluice.policy.model import Rules, UpstreamProxy
 from sluice.policy.reasons import Reason
@@ -228,6 +228,11 @@ class Dialer:
                 except socket.gaierror as e:
                     raise UpstreamProxyFailed(f"{where}: its name does not resolve ({e.strerror or e})") from None
                 addresses = list(dict.fromkeys(str(info[4][0]) for info in infos))
+            for address in addresses:
+                # A name of this host on a listening port: the load-time check sees only literals.
+                loop_detail = parent_loop_detail(address, parent.port, self.proxy_addresses())
+                if loop_detail is not None:
+                    raise UpstreamProxyFailed(f"{where} {loop_detail}")
             failure: OSError | None = None
             for address in addresses:
                 try:

@@ -35,11 +35,12 @@ import struct
 import threading
 import time
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 from sluice.policy.decide import check_own_address
 from sluice.policy.hosts import canonical_ip
-from sluice.policy.model import Rules
+from sluice.policy.model import Policy, Rules, UpstreamProxy
 from sluice.policy.reasons import Refusal
 
 logger = logging.getLogger("sluice.own_host")
@@ -204,3 +205,97 @@ def mitmproxy_listeners(transport_protocol: str | None = None) -> list[tuple[str
 
 
 OWN_HOST = OwnHost(mitmproxy_listeners)
+
+
+def configured_listeners(options: Any) -> list[tuple[str, int]]:
+    """The TCP addresses the proxy's listeners use by mitmproxy's options
+    (`mode`, `listen_host`, `listen_port`): fixed ports only (0 is any free one)."""
+    from mitmproxy.proxy import mode_specs
+
+    addresses = []
+    for spec in options.mode:
+        mode = mode_specs.ProxyMode.parse(spec)
+        port = mode.listen_port(options.listen_port)
+        if port and mode.transport_protocol in ("tcp", "both"):
+            addresses.append((mode.listen_host(options.listen_host), port))
+    return addresses
+
+
+def proxy_listeners() -> list[tuple[str, int]]:
+    """This process's proxy listeners: the bound ones once mitmproxy has
+    opened them, else (a policy loaded at start) the ones its options name."""
+    from mitmproxy import ctx
+
+    bound = mitmproxy_listeners("tcp")
+    if bound:
+        return bound
+    options = getattr(getattr(ctx, "master", None), "options", None)
+    return configured_listeners(options) if options is not None else []
+
+
+def listener_at(ip: str, port: int, listeners: Iterable[tuple[str, int]],
+                proxy_addresses: frozenset[str] = frozenset()) -> tuple[str, int] | None:
+    """The listener of this proxy that a connection to ip:port (an IP
+    literal) would reach, if any: one on that port bound to that address, or
+    to a wildcard while the address is this host's (loopback, an interface's,
+    or the policy's `proxy_addresses`)."""
+    ip = canonical_ip(ip)
+    for host, listen_port in listeners:
+        if listen_port != port:
+            continue
+        if host in WILDCARDS:
+            if ip in proxy_addresses or ipaddress.ip_address(ip).is_loopback or _is_local_address(ip):
+                return host, listen_port
+            continue
+        try:
+            if canonical_ip(host) == ip:
+                return host, listen_port
+        except ValueError:
+            if host == "localhost" and ipaddress.ip_address(ip).is_loopback:
+                return host, listen_port
+    return None
+
+
+def _parent_addresses(parent: UpstreamProxy) -> list[str]:
+    """The parent's addresses known without DNS: its IP literal, or loopback
+    for `localhost` names (RFC 6761); a name is checked when it is dialled."""
+    host = parent.host.rstrip(".").lower()
+    try:
+        return [canonical_ip(host)]
+    except ValueError:
+        return ["127.0.0.1", "::1"] if host == "localhost" or host.endswith(".localhost") else []
+
+
+def _shown(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def parent_loop_problems(policy: Policy, listeners: list[tuple[str, int]]) -> list[str]:
+    """Each `upstream_proxy` (top level or a profile's) that is this proxy
+    itself, as one line: sending its traffic there would loop."""
+    problems: list[str] = []
+    seen: set[tuple[str, int]] = set()
+    for rules in [policy.rules, *(profile.rules for profile in policy.clients)]:
+        parent = rules.upstream_proxy
+        if parent is None or (parent.host, parent.port) in seen:
+            continue
+        seen.add((parent.host, parent.port))
+        for ip in _parent_addresses(parent):
+            hit = listener_at(ip, parent.port, listeners, policy.proxy_addresses)
+            if hit is not None:
+                where = f"{parent.origin}: " if parent.origin else ""
+                problems.append(
+                    f"{where}upstream_proxy.url {parent.url} is this proxy itself (its listener {_shown(*hit)}): "
+                    "every request would loop through Sluice; give the parent proxy's own address")
+                break
+    return problems
+
+
+def parent_loop_detail(address: str, port: int, proxy_addresses: frozenset[str]) -> str | None:
+    """At a dial: why the parent's resolved address is this proxy itself
+    (the text of an upstream_proxy_failed refusal), or None."""
+    hit = listener_at(address, port, proxy_listeners(), proxy_addresses)
+    if hit is None:
+        return None
+    return (f"resolves to {_shown(address, port)}, this proxy's own listener {_shown(*hit)}, so the request would "
+            "loop through Sluice; the operator must point upstream_proxy at the real parent")

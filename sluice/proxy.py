@@ -21,7 +21,7 @@ from sluice import open_files
 from sluice.admin import (
     WORKER_DIR_ENV, AdminServer, AdminTokens, ApprovalDesk, Endpoints, admin_problem, parse_admin, same_listener,
 )
-from sluice.own_host import ADMIN_ENV, OWN_HOST
+from sluice.own_host import ADMIN_ENV, OWN_HOST, configured_listeners
 from sluice.addons.sluice_addon import make_addons
 from sluice.approvals_store import ApprovalStore
 from sluice.ca import ca_dir, ensure_ca, given_ca_dir
@@ -67,17 +67,6 @@ class StartupErrors(errorcheck.ErrorCheck):
             await super().shutdown_if_errored()
         except SystemExit as e:
             raise SystemExit(EXIT_USAGE if e.code == 1 else e.code) from None
-
-
-def proxy_addresses(opts: options.Options) -> list[tuple[str, int]]:
-    """The TCP addresses the proxy's listeners will use (fixed ports only)."""
-    addresses = []
-    for spec in opts.mode:
-        mode = mode_specs.ProxyMode.parse(spec)
-        port = mode.listen_port(opts.listen_port)
-        if port and mode.transport_protocol in ("tcp", "both"):
-            addresses.append((mode.listen_host(opts.listen_host), port))
-    return addresses
 
 
 def listen_problems(opts: options.Options) -> list[str]:
@@ -191,7 +180,7 @@ async def _serve(policy: str, listen: tuple[str, int], modes: list[str], audit_l
     if admin is not None:
         problems += [f"--admin {admin[0]}:{admin[1]} is a proxy listening address; the admin endpoint needs its own "
                      "port: choose another with --admin HOST:PORT, or --admin off"
-                     for address in proxy_addresses(opts) if same_listener(admin, address)][:1]
+                     for address in configured_listeners(opts) if same_listener(admin, address)][:1]
     if problems:
         for problem in problems:
             print(f"sluice: {problem}", file=sys.stderr)
