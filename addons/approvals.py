@@ -2,15 +2,27 @@
 audit records and the webhook. The decision is policy.approvals.judge(),
 applied inside admit() (sluice/admission.py) with this addon's snapshot.
 
-- The gate reads grants from an in-memory snapshot (`view`): never SQLite.
-  A task refreshes it from the store (sluice/approvals_store.py) at most
-  every second, off the event loop, so grants and revocations from another
-  process (a worker's sibling, the supervisor's admin endpoint) apply within
-  a second; the admin endpoint of this process refreshes it at once.
-- A new ask is recorded off the loop; the process whose insert made it
-  writes `approval_requested` and sends the webhook. The refresh writes
-  `grant_expired` for the grants it deleted and the queued admin events
-  (`approval_granted` with who, `approval_denied`, `grant_revoked`).
+- The gate reads grants from an in-memory snapshot (`view`): never the
+  store. A task refreshes it from the store at most every second, off the
+  event loop, so grants and revocations from another process (a worker's
+  sibling, the supervisor's admin endpoint, another replica on the same
+  state store) apply within a second; the admin endpoint of this process
+  refreshes it at once.
+- Where approvals live is chosen by sluice.approvals_store.open_approvals:
+  the policy's state store when it has `state` (sluice/approvals_redis.py),
+  else SQLite in --state-dir. A reload that changes `state` switches: the
+  snapshot starts empty and is read from the new place at once (grants are
+  not copied; those left in the old place apply again if it comes back).
+- A store that fails keeps the snapshot as last read (its grants still
+  expire on time), with one stderr line when it fails and one when it is
+  back. A new ask is answered approval_pending at once either way: it is
+  recorded within the store's `timeout` if it answers, else in the
+  background, and an ask the store could not take is recorded again at the
+  next refresh that reaches it.
+- The process whose record made a new ask writes `approval_requested` and
+  sends the webhook. The refresh writes `grant_expired` for the grants it
+  deleted and the queued admin events (`approval_granted` with who,
+  `approval_denied`, `grant_revoked`).
 - `wait`: a refused request is held until its ask is answered or `wait`
   passes, then decided again.
 - The webhook goes through this proxy's own HTTP listener, so the gate, the
@@ -32,12 +44,14 @@ from dataclasses import replace
 from typing import Any, Protocol
 
 from sluice.admission import Admission, ApprovalView
-from sluice.approvals_store import ApprovalStore, Snapshot
+from sluice.approvals_store import ApprovalsUnavailable, Snapshot, open_approvals
 from sluice.policy.approvals import DEFAULT_GRANT_FOR, ApprovalSettings, Ask, Grant, Judgement, Notify, Verdict
+from sluice.policy.state import StateSettings
 
 logger = logging.getLogger("sluice.approvals")
 
 REFRESH_SECONDS = 1.0
+UNRECORDED_MAX = 1000  # asks a failed store could not take, kept to record when it is back
 WEBHOOK_ATTEMPTS = 4
 WEBHOOK_FIRST_BACKOFF = 0.5  # seconds, doubled after each failed attempt
 WEBHOOK_TIMEOUT = 10.0
@@ -85,29 +99,66 @@ def webhook_body(ask: Ask) -> bytes:
 
 
 class Approvals:
-    def __init__(self, audit: Any) -> None:
+    def __init__(self, audit: Any, source: Any = None) -> None:
         self.audit = audit
-        self.store: ApprovalStore | None = None  # `sluice proxy` sets it (--state-dir); else in memory at start
+        self.source = source  # the policy's `state` says where approvals live
+        self.state_dir: str | None = None  # `sluice proxy --state-dir` (SQLite there when there is no state store)
+        self.state: StateSettings | None = None
+        self.store: Any = None  # an ApprovalStore or a RedisApprovalStore (one interface); `open` or `running` sets it
         self.snapshot = Snapshot()
+        self._unavailable: str | None = None  # why the store last failed, until it answers again
+        self._unrecorded: dict[str, tuple[Ask, float, ApprovalSettings | None, str | None]] = {}
         self.observer: ApprovalObserver | None = None
         self._refreshed: asyncio.Event | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._task: asyncio.Task[None] | None = None
         self._sending: set[asyncio.Task[None]] = set()
         self._wake: asyncio.Event | None = None  # set to refresh before the second is up
+        if source is not None:
+            source.on_reload(lambda live: self.switch(live.policy.state))
+
+    # ---- where approvals live ----------------------------------------------------------
+
+    def open(self, state: StateSettings | None, state_dir: str | None) -> None:
+        """Open where approvals live (start-up; OSError or sqlite3.Error
+        when --state-dir cannot keep them)."""
+        self.state_dir = state_dir
+        self.store, self.state = open_approvals(state, state_dir), state
+
+    def switch(self, state: StateSettings | None) -> None:
+        """A reload changed `state`: approvals move to where it says (see the module docstring)."""
+        if state == self.state or self.store is None:
+            return
+        try:
+            store = open_approvals(state, self.state_dir)
+        except Exception as e:
+            logger.warning(f"approvals: cannot keep them {state.where if state else self.state_dir} ({e}); they "
+                           f"stay {self.store.where}")
+            return
+        old, self.store, self.state = self.store, store, state
+        self._unavailable = None
+        self._unrecorded.clear()
+        self._apply(Snapshot(), [], [])
+        logger.warning(f"approvals: now {store.where} (the policy's state changed); grants are read from there")
+        old.close()
+        self.poke()
 
     # ---- lifecycle -------------------------------------------------------------------
 
     def running(self) -> None:
         if self.store is None:
-            self.store = ApprovalStore(None)
+            live = getattr(self.source, "current", None)
+            self.open(live.policy.state if live is not None else None, None)
         self._loop = asyncio.get_running_loop()
         self._refreshed = asyncio.Event()
         self._wake = asyncio.Event()
         # Once before the first request (this runs before the ready line):
         # grants kept across a restart apply from the start. One small read.
         now = time.time()
-        self._apply(*self.store.snapshot(now), self.store.claim_events(now))
+        try:
+            self._apply(*self.store.snapshot(now), self.store.claim_events(now))
+        except ApprovalsUnavailable as e:
+            self._failed(str(e))
         self._task = asyncio.create_task(self._refresh_loop())
 
     def done(self) -> None:
@@ -125,6 +176,8 @@ class Approvals:
         while True:
             try:
                 await self.refresh()
+            except ApprovalsUnavailable as e:
+                self._failed(str(e))
             except Exception:
                 logger.exception("approvals: the state could not be read; keeping the last snapshot")
             try:
@@ -139,7 +192,23 @@ class Approvals:
         now = time.time()
         snapshot, expired = await asyncio.to_thread(store.snapshot, now)
         events = await asyncio.to_thread(store.claim_events, now)
+        if store is not self.store:
+            return  # switched meanwhile: this read is the old place's
+        if self._unavailable is not None:
+            self._unavailable = None
+            logger.warning(f"approvals: {store.where.removeprefix('in ')} answers again; grants are read from it "
+                           "again")
         self._apply(snapshot, expired, events)
+        for ask, grant_for, settings, client in list(self._unrecorded.values()):
+            del self._unrecorded[ask.id]
+            await self._record(store, ask, grant_for, settings, client)
+
+    def _failed(self, why: str) -> None:
+        """The store did not answer: said once, until it does again."""
+        if self._unavailable is None:
+            logger.warning(f"approvals: {why}; the gate keeps the grants and denials as last read (they still "
+                           "expire on time), and new asks are answered approval_pending and recorded once it is back")
+        self._unavailable = why
 
     def _apply(self, snapshot: Snapshot, expired: list[Grant], events: list[dict[str, Any]]) -> None:
         for grant in expired:
@@ -174,7 +243,25 @@ class Approvals:
         ask = judged.ask
         self.snapshot = replace(self.snapshot, pending=self.snapshot.pending | {ask.id})
         grant_for = settings.grant_for if settings is not None else DEFAULT_GRANT_FOR
-        if not await asyncio.to_thread(self.store.record_ask, ask, grant_for):
+        recording = asyncio.ensure_future(self._record(self.store, ask, grant_for, settings, client))
+        if self.state is None:
+            await recording  # SQLite on this machine: recorded before the answer
+            return
+        # A shared store: the answer waits at most the store's timeout (the ask's id needs no store).
+        self._sending.add(recording)
+        recording.add_done_callback(self._sending.discard)
+        await asyncio.wait({recording}, timeout=self.state.timeout)
+
+    async def _record(self, store: Any, ask: Ask, grant_for: float, settings: ApprovalSettings | None,
+                      client: str | None) -> None:
+        """Record a new ask; the process whose record made it audits it and notifies."""
+        try:
+            if not await asyncio.to_thread(store.record_ask, ask, grant_for):
+                return
+        except ApprovalsUnavailable as e:
+            if store is self.store and len(self._unrecorded) < UNRECORDED_MAX:
+                self._unrecorded[ask.id] = (ask, grant_for, settings, client)
+            self._failed(str(e))
             return
         self.audit.write(event="approval_requested", id=ask.id, client=client, profile=ask.key.profile or None,
                          user=ask.key.user or None, method=ask.method or None, host=ask.key.host,

@@ -83,7 +83,7 @@ class EgressGate:
         self.audit = audit
         self.caps = caps
         # Grants in force, asks, waits (addons/approvals.py; make_addons shares one).
-        self.approvals = approvals if approvals is not None else Approvals(audit)
+        self.approvals = approvals if approvals is not None else Approvals(audit, source)
         self.identity = ClientIdentifier()
         # What the gate approved and pinned for each client connection, and
         # its tunnels, are in its ConnState (sluice/connstate.py): `approved`

@@ -33,7 +33,7 @@ def make_addons(*, lifecycle: bool = False, metrics: bool = False) -> list:
     audit = AuditLog()
     source = PolicySource(audit)
     caps = Caps(source, audit)
-    approvals = Approvals(audit)
+    approvals = Approvals(audit, source)
     gate = EgressGate(source, audit, caps, approvals)
     operations: list = []
     if lifecycle:

@@ -30,7 +30,7 @@ import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from sluice.addons.status import Status
@@ -102,19 +102,27 @@ class AdminTokens:
 
 
 class ApprovalDesk:
-    """The /approvals endpoints over the store (their threads do its I/O).
-    `changed` tells this process's proxy to refresh its snapshot at once."""
+    """The /approvals endpoints over the store where approvals live now
+    (`current_store()`: a reload may move them; their threads do its I/O).
+    `changed` tells this process's proxy to refresh its snapshot at once.
+    A store that does not answer is a 503 with its sentence."""
 
-    def __init__(self, store, tokens: AdminTokens, changed: Callable[[], None] | None = None) -> None:
-        self.store = store
+    def __init__(self, current_store: Callable[[], Any], tokens: AdminTokens,
+                 changed: Callable[[], None] | None = None) -> None:
+        self.current_store = current_store
         self.tokens = tokens
         self.changed = changed
 
     def listing(self) -> Response:
-        return json_response(self.store.listing(time.time()))
+        from sluice.approvals_store import ApprovalsUnavailable
+
+        try:
+            return json_response(self.current_store().listing(time.time()))
+        except ApprovalsUnavailable as e:
+            return unavailable(e)
 
     def act(self, path: str, authorization: str | None, body: bytes) -> Response:
-        from sluice.approvals_store import ApprovalError, grant_json
+        from sluice.approvals_store import ApprovalError, ApprovalsUnavailable, grant_json
 
         parts = path.strip("/").split("/")
         if len(parts) != 3 or parts[0] != "approvals" or parts[2] not in ("approve", "deny", "revoke"):
@@ -136,14 +144,17 @@ class ApprovalDesk:
         except ValueError:
             return 400, TEXT, b"the body must be a JSON object: {\"for\": SECONDS, \"scope\": \"host\"|\"path\"}\n"
         ident, verb = parts[1], parts[2]
+        store = self.current_store()
         try:
             if verb == "revoke":
-                grant = self.store.revoke(ident, who, time.time())
+                grant = store.revoke(ident, who, time.time())
             else:
-                grant = self.store.answer(ident, denied=verb == "deny", seconds=seconds, scope=scope, who=who,
-                                          now=time.time())
+                grant = store.answer(ident, denied=verb == "deny", seconds=seconds, scope=scope, who=who,
+                                     now=time.time())
         except ApprovalError as e:
             return 404, TEXT, (str(e) + "\n").encode()
+        except ApprovalsUnavailable as e:
+            return unavailable(e)
         if self.changed is not None:
             self.changed()
         return json_response(grant_json(grant))
@@ -172,6 +183,12 @@ def readyz(ready: bool, draining: bool) -> Response:
     if draining:
         return 503, TEXT, b"draining\n"
     return (200, TEXT, b"ready\n") if ready else (503, TEXT, b"not ready\n")
+
+
+def unavailable(error: Exception) -> Response:
+    """503: where approvals live did not answer; nothing was changed."""
+    return 503, TEXT, (f"{error}; try again once it is back (nothing was changed; the proxies keep the grants as "
+                       "last read meanwhile)\n").encode()
 
 
 def json_response(value: dict) -> Response:

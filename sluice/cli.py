@@ -292,7 +292,7 @@ def _main(argv: list[str] | None) -> int:
         worker_args = [a for a in (argv if argv is not None else sys.argv[1:])[1:]]
         return supervise(args.workers, _without_workers(worker_args), admin=args.admin,
                          drain_timeout=args.drain_timeout, listen=(host, port), modes=args.mode,
-                         state_dir=args.state_dir, admin_token_file=args.admin_token_file)
+                         state_dir=args.state_dir, admin_token_file=args.admin_token_file, policy=args.policy)
     if args.command == "proxy":
         from sluice.proxy import run
 

@@ -23,7 +23,6 @@ from sluice.admin import (
 )
 from sluice.own_host import ADMIN_ENV, OWN_HOST, configured_listeners
 from sluice.addons.sluice_addon import make_addons
-from sluice.approvals_store import ApprovalStore
 from sluice.ca import ca_dir, ensure_ca, given_ca_dir
 from sluice.cli import EXIT_USAGE, listen_problem
 from sluice.listen import parse_listen
@@ -136,14 +135,9 @@ async def _serve(policy: str, listen: tuple[str, int], modes: list[str], audit_l
                  policy_label: str | None = None, state_dir: str | None = None,
                  admin_token_file: str | None = None) -> int:
     try:
-        store = ApprovalStore(state_dir)
         tokens = AdminTokens.load(admin_token_file)
     except ValueError as e:
         print(f"sluice: {e}", file=sys.stderr)
-        return EXIT_USAGE
-    except (OSError, sqlite3.Error) as e:
-        print(f"sluice: --state-dir {state_dir}: cannot keep the approvals state there ({e}); give a directory "
-              "this user may write", file=sys.stderr)
         return EXIT_USAGE
     opts = options.Options(listen_host=listen[0], listen_port=listen[1], confdir=ca)
     mitm_patches.install()
@@ -155,10 +149,9 @@ async def _serve(policy: str, listen: tuple[str, int], modes: list[str], audit_l
     master.addons.add(termlog, *mitmproxy_addons())
     # A worker's supervisor serves its metrics: they are kept even without --admin.
     metrics = admin is not None or bool(os.environ.get(WORKER_DIR_ENV))
-    ready_line = ReadyLine(policy_label or policy, admin, store.where)
+    ready_line = ReadyLine(policy_label or policy, admin)
     master.addons.add(*make_addons(lifecycle=True, metrics=metrics), ready_line)
     drain, status, approvals = master.addons.get("drain"), master.addons.get("status"), master.addons.get("approvals")
-    approvals.store = store
     drain.timeout = drain_timeout
     mitm_patches.fast_dispatch(master.addons)  # a fixed addon list: resolve each event's hooks once
     try:
@@ -176,6 +169,15 @@ async def _serve(policy: str, listen: tuple[str, int], modes: list[str], audit_l
         message = e.args[0] if isinstance(e, KeyError) and e.args else e
         print(f"sluice: {message}", file=sys.stderr)
         return 2
+    try:
+        # Where approvals live follows the policy just loaded: its state store, else --state-dir.
+        live = approvals.source.current
+        approvals.open(live.policy.state if live is not None else None, state_dir)
+    except (OSError, sqlite3.Error) as e:
+        print(f"sluice: --state-dir {state_dir}: cannot keep the approvals state there ({e}); give a directory "
+              "this user may write", file=sys.stderr)
+        return EXIT_USAGE
+    ready_line.approvals = approvals.store.where
     problems = listen_problems(opts)
     if admin is not None:
         problems += [f"--admin {admin[0]}:{admin[1]} is a proxy listening address; the admin endpoint needs its own "
@@ -189,7 +191,8 @@ async def _serve(policy: str, listen: tuple[str, int], modes: list[str], audit_l
     if admin is not None:
         OWN_HOST.add_listener(*admin)  # the admin endpoint is the proxy's host too: never a destination
         try:
-            server = AdminServer(*admin, Endpoints(status, ApprovalDesk(store, tokens, approvals.poke))).start()
+            desk = ApprovalDesk(lambda: approvals.store, tokens, approvals.poke)
+            server = AdminServer(*admin, Endpoints(status, desk)).start()
             ready_line.admin = _host_port(*server.address)  # the bound port, for --admin HOST:0
         except OSError as e:
             print(f"sluice: {admin_problem(*admin, e)}", file=sys.stderr)

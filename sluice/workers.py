@@ -14,7 +14,9 @@ so every worker cuts what is left at once. The workers' stopping and
 stopped lines become one of each.
 
 The supervisor serves the one admin endpoint (sluice/admin.py) for all
-workers; they bind none. Each worker writes its metrics to a private
+workers; they bind none. Its approval verbs answer from where the workers
+keep approvals (WorkersApprovals): the policy's state store, else the SQLite
+file they share. Each worker writes its metrics to a private
 directory (PROMETHEUS_MULTIPROC_DIR, prometheus_client's multiprocess mode)
 and its readiness and policy facts as a JSON file there; /metrics sums the
 workers' values, /readyz is ready when every worker is and none is
@@ -118,11 +120,63 @@ def _admin_clash(admin: tuple[str, int], listen: tuple[str, int], modes: list[st
 _CUT = re.compile(r"\((\d+) cut by shutdown\)")
 
 
+class WorkersApprovals:
+    """Where the supervisor's approval verbs answer: the same place as the
+    workers', chosen by sluice.approvals_store.open_approvals from the
+    policy's `state` (read here too, and again when the file changes or on
+    SIGHUP, as the workers reload it). A policy that does not load keeps
+    the current place (the workers keep their last good policy too)."""
+
+    def __init__(self, policy: str | None, state_dir: str, announce_new: bool) -> None:
+        from sluice.approvals_store import open_approvals
+
+        self.policy, self.state_dir = policy, state_dir
+        self._seen = self._signature()
+        self.state = self._state(None)
+        self.store = open_approvals(self.state, state_dir, announce_new=announce_new)
+
+    def _signature(self) -> tuple | None:
+        try:
+            st = os.stat(self.policy) if self.policy else None
+        except OSError:
+            return None
+        return None if st is None else (st.st_ino, st.st_size, st.st_mtime_ns)
+
+    def _state(self, current):
+        from sluice.policy.loader import PolicyInvalid, read_policy_file
+
+        if not self.policy:
+            return current
+        try:
+            return read_policy_file(self.policy)[0].state
+        except (PolicyInvalid, OSError, ValueError):
+            return current
+
+    def check(self, force: bool = False) -> None:
+        """Follow the policy's `state` if the file changed (or `force`: SIGHUP)."""
+        from sluice.approvals_store import open_approvals
+
+        seen = self._signature()
+        if not force and seen == self._seen:
+            return
+        self._seen = seen
+        state = self._state(self.state)
+        if state == self.state:
+            return
+        try:
+            store = open_approvals(state, self.state_dir)
+        except (OSError, sqlite3.Error) as e:
+            print(f"sluice: approvals: cannot keep them in {self.state_dir} ({e}); the admin endpoint answers from "
+                  f"{self.store.where}", file=sys.stderr, flush=True)
+            return
+        old, self.store, self.state = self.store, store, state
+        old.close()
+
+
 def supervise(count: int, worker_args: list[str], admin: str = "off", drain_timeout: float = 30.0,
               listen: tuple[str, int] = ("127.0.0.1", 0), modes: list[str] = (), state_dir: str | None = None,
-              admin_token_file: str | None = None) -> int:
+              admin_token_file: str | None = None, policy: str | None = None) -> int:
     from sluice.admin import WORKER_DIR_ENV, AdminServer, AdminTokens, ApprovalDesk, admin_problem, parse_admin
-    from sluice.approvals_store import ApprovalStore
     from sluice.own_host import ADMIN_ENV
 
     try:
@@ -140,14 +194,15 @@ def supervise(count: int, worker_args: list[str], admin: str = "off", drain_time
               "endpoint needs its own port: choose another with --admin HOST:PORT, or --admin off", file=sys.stderr)
         return 2
     directory = tempfile.mkdtemp(prefix="sluice-workers-")
-    # Approvals live in one SQLite file the workers share and this process's
-    # admin endpoint answers from: --state-dir's, else one in the private
-    # directory, gone at exit (the workers' ready line names it).
+    # Without a state store, approvals live in one SQLite file the workers
+    # share and this process's admin endpoint answers from: --state-dir's,
+    # else one in the private directory, gone at exit (the workers' ready
+    # line names it). With one, they live there and no file is made.
     if state_dir is None:
         worker_args = ["--state-dir", directory, *worker_args]
     try:
         # A private file is new by design: no "starting with no approvals" line for it.
-        store = ApprovalStore(state_dir or directory, announce_new=state_dir is not None)
+        approvals = WorkersApprovals(policy, state_dir or directory, announce_new=state_dir is not None)
     except (OSError, sqlite3.Error) as e:
         shutil.rmtree(directory, ignore_errors=True)
         print(f"sluice: --state-dir {state_dir}: cannot keep the approvals state there ({e}); give a directory "
@@ -159,14 +214,14 @@ def supervise(count: int, worker_args: list[str], admin: str = "off", drain_time
     if admin_address is not None:
         try:
             endpoints = WorkersEndpoints(directory, children, state)
-            endpoints.approvals = ApprovalDesk(store, tokens)
+            endpoints.approvals = ApprovalDesk(lambda: approvals.store, tokens)
             server = AdminServer(*admin_address, endpoints)
         except OSError as e:
             shutil.rmtree(directory, ignore_errors=True)
             print(f"sluice: {admin_problem(*admin_address, e)}", file=sys.stderr)
             return 2
     try:
-        return _supervise(count, worker_args, drain_timeout, directory, children, state, server,
+        return _supervise(count, worker_args, drain_timeout, directory, children, state, server, approvals.check,
                           {**os.environ, REUSE_PORT_ENV: "1", WORKER_DIR_ENV: directory,
                            "PROMETHEUS_MULTIPROC_DIR": directory,
                            # Its workers refuse dials to it (sluice/own_host.py).
@@ -178,7 +233,8 @@ def supervise(count: int, worker_args: list[str], admin: str = "off", drain_time
 
 
 def _supervise(count: int, worker_args: list[str], drain_timeout: float, directory: str,
-               children: list[subprocess.Popen], state: dict, server, env: dict) -> int:
+               children: list[subprocess.Popen], state: dict, server, follow_policy, env: dict) -> int:
+    """`follow_policy(force)` is called every second (force: on SIGHUP)."""
     command = [sys.executable, "-m", "sluice.cli", "proxy", *worker_args]
     children += [subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True, bufsize=1) for _ in range(count)]
     if server is not None:
@@ -226,7 +282,10 @@ def _supervise(count: int, worker_args: list[str], drain_timeout: float, directo
                   flush=True)
         forward_stop()  # a second signal reaches the workers too: they cut what is left at once
 
+    hupped = threading.Event()
+
     def hup(*_):
+        hupped.set()
         for child in children:
             if child.poll() is None:
                 child.send_signal(signal.SIGHUP)
@@ -236,8 +295,13 @@ def _supervise(count: int, worker_args: list[str], drain_timeout: float, directo
     signal.signal(signal.SIGHUP, hup)
 
     failed = False
+    followed = time.monotonic()
     try:
         while True:
+            if hupped.is_set() or time.monotonic() - followed >= 1.0:
+                follow_policy(hupped.is_set())
+                hupped.clear()
+                followed = time.monotonic()
             if not state["announced"] and all(getattr(c, "_ready", False) for c in children):
                 where = first_ready[0].removeprefix("sluice: ready on ")
                 print(f"sluice: ready on {where} [{count} workers]", file=sys.stderr, flush=True)
