@@ -7,7 +7,8 @@ a loop). `judge()` decides, for one refused request and the grants and
 denials in force at `now`, whether it is granted (the caller decides it again
 with `granted_rules`), denied (refused as before), or asked (refused
 `approval_pending` with the ask's id). The proxy keeps the grants in SQLite
-(sluice/approvals_store.py); `sluice policy explain/test` pass none.
+(sluice/approvals_store.py) or the policy's state store
+(sluice/approvals_redis.py); `sluice policy explain/test` pass none.
 """
 
 from __future__ import annotations

@@ -1,5 +1,10 @@
 """Where approvals live (issue 22): pending asks, grants and denials, in SQLite.
 
+`open_approvals` (at the end) is the one place that chooses: this SQLite
+store, or the policy's state store when it has `state`
+(sluice/approvals_redis.py, the same interface: Snapshot, ApprovalError,
+ApprovalsUnavailable and the JSON shapes are defined here for both).
+
 `--state-dir DIR` keeps them in DIR/approvals.sqlite3 (WAL mode), shared by
 every process that opens it (the workers of `--workers N` and their
 supervisor's admin endpoint) and kept across restarts. Without it they are in
