@@ -139,7 +139,8 @@ class Approvals:
         self._unavailable = None
         self._unrecorded.clear()
         self._apply(Snapshot(), [], [])
-        logger.warning(f"approvals: now {store.where} (the policy's state changed); grants are read from there")
+        where = store.where if store.where.startswith("in ") else f"in {store.where}"
+        logger.warning(f"approvals: now {where} (the policy's state changed); grants are read from there")
         old.close()
         self.poke()
 
