@@ -44,7 +44,7 @@ from dataclasses import replace
 from typing import Any, Protocol
 
 from sluice.admission import Admission, ApprovalView
-from sluice.approvals_store import ApprovalsUnavailable, Snapshot, open_approvals
+from sluice.approvals_store import ApprovalsUnavailable, Snapshot, open_approvals, same_place
 from sluice.policy.approvals import DEFAULT_GRANT_FOR, ApprovalSettings, Ask, Grant, Judgement, Notify, Verdict
 from sluice.policy.state import StateSettings
 
@@ -127,7 +127,10 @@ class Approvals:
 
     def switch(self, state: StateSettings | None) -> None:
         """A reload changed `state`: approvals move to where it says (see the module docstring)."""
-        if state == self.state or self.store is None:
+        if self.store is None:
+            return
+        if same_place(state, self.state):
+            self.state = state  # the same store: its timeout or on_error may differ
             return
         try:
             store = open_approvals(state, self.state_dir)

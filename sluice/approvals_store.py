@@ -293,6 +293,14 @@ def grant_record(event: str, grant: Grant, reason: str | None, detail: str) -> d
             "decision": "refuse" if grant.denied else "allow", "reason": reason, "detail": detail}
 
 
+def same_place(a: StateSettings | None, b: StateSettings | None) -> bool:
+    """Whether approvals under `a` and `b` live in the same place: the same
+    store (its `timeout` and `on_error` aside), or both without one."""
+    if a is None or b is None:
+        return a is b
+    return (a.url, a.password_source) == (b.url, b.password_source) and a.password == b.password
+
+
 def open_approvals(state: StateSettings | None, state_dir: str | None, *, announce_new: bool = True) -> Any:
     """Where approvals live, chosen in this one place: the policy's state
     store when it has `state` (sluice/approvals_redis.py; no file is made or

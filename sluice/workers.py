@@ -154,14 +154,14 @@ class WorkersApprovals:
 
     def check(self, force: bool = False) -> None:
         """Follow the policy's `state` if the file changed (or `force`: SIGHUP)."""
-        from sluice.approvals_store import open_approvals
+        from sluice.approvals_store import open_approvals, same_place
 
         seen = self._signature()
         if not force and seen == self._seen:
             return
         self._seen = seen
         state = self._state(self.state)
-        if state == self.state:
+        if same_place(state, self.state):
             return
         try:
             store = open_approvals(state, self.state_dir)

@@ -160,3 +160,16 @@ def test_admin_token_files(tmp_path):
             AdminTokens.load(str(bad))
     with pytest.raises(ValueError, match="cannot read it"):
         AdminTokens.load(str(tmp_path / "missing"))
+
+
+def test_approvals_move_only_when_the_store_itself_changes():
+    from sluice.approvals_store import same_place
+    from sluice.policy.credentials import Secret
+    from sluice.policy.state import StateSettings
+
+    store = StateSettings("redis://valkey:6379/0", Secret("pw"), "file pw", timeout=0.05, on_error="local")
+    assert same_place(None, None) and not same_place(store, None) and not same_place(None, store)
+    assert same_place(store, StateSettings("redis://valkey:6379/0", Secret("pw"), "file pw", timeout=1.0,
+                                           on_error="closed"))
+    assert not same_place(store, StateSettings("redis://valkey:6379/1", Secret("pw"), "file pw"))
+    assert not same_place(store, StateSettings("redis://valkey:6379/0", Secret("other"), "file pw"))
