@@ -343,6 +343,11 @@ def store_lines(results: dict) -> list[str]:
         lines.append(f"| {label} | {cells[0]} | {cells[1]} | {_spread_ratio(row.get('ratio'))} | "
                      f"{_cpu(local.get('cpu_us'))} / {_cpu(shared.get('cpu_us'))} | "
                      f"{_spread_ratio(row.get('cpu_ratio'))} | {_cpu(shared.get('store_cpu_us'))} |")
+    foreign = sorted(x for row in (http, conn) if row for key in ("sluice-limits", "sluice-limits-store")
+                     for x in (row.get(key) or {}).get("foreign_cores_runs", []) if x is not None)
+    if foreign:
+        lines += ["", f"Other processes on the machine used a median {foreign[len(foreign) // 2]:.2f} cores (at most "
+                      f"{foreign[-1]:.2f}) during these runs."]
     if st.get("fallbacks"):
         lines += ["", f"Warning: the store-backed Sluice fell back to local counting {st['fallbacks']} time(s) (the "
                       "store did not answer within its timeout): its figures mix in local counting."]
