@@ -247,6 +247,11 @@ class Approvals:
         ask = judged.ask
         self.snapshot = replace(self.snapshot, pending=self.snapshot.pending | {ask.id})
         grant_for = settings.grant_for if settings is not None else DEFAULT_GRANT_FOR
+        if self.state is not None and self._unavailable is not None:
+            # Known down: no thread tied up waiting on it; the refresh that reaches it records the ask.
+            if len(self._unrecorded) < UNRECORDED_MAX:
+                self._unrecorded[ask.id] = (ask, grant_for, settings, client)
+            return
         recording = asyncio.ensure_future(self._record(self.store, ask, grant_for, settings, client))
         if self.state is None:
             await recording  # SQLite on this machine: recorded before the answer

@@ -31,9 +31,13 @@ SQLITE = "approvals.sqlite3"
 
 
 @pytest.fixture(scope="module")
-def store(netns, fake_dns):
+def names(netns, fake_dns):
     for host in HOSTS:
         fake_dns.set(host, a=[ORIGIN_IP])
+
+
+@pytest.fixture(scope="module")
+def store(names):
     with RedisServer() as server:
         yield server
 
@@ -143,7 +147,7 @@ def test_a_restarted_process_keeps_the_grant(sluice_factory, tmp_path_factory, s
     assert not list(second.state_dir.iterdir())
 
 
-def test_the_store_down_keeps_the_grants_and_the_verbs_answer_503(sluice_factory, tmp_path_factory):
+def test_the_store_down_keeps_the_grants_and_the_verbs_answer_503(sluice_factory, tmp_path_factory, names):
     with RedisServer() as own:
         proxy = start(sluice_factory, tmp_path_factory, own, name="grants-down")
         granted = ask(proxy, "shared5.example")
