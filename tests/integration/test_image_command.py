@@ -3,7 +3,8 @@
 CI has no container engine, so the image is never built here. Instead the
 Dockerfile's final stage is parsed and its ENTRYPOINT + CMD are started
 exactly, substituting only paths (the `sluice` executable, the policy file
-the image copies to /etc/sluice/policy.yaml, the CA directory of its ENV),
+the image copies to /etc/sluice/policy.yaml, here the packaged starter
+policy in place of config/policy.yaml, the CA directory of its ENV),
 inside a namespace of its own as a container would be (it listens on
 0.0.0.0:8080 there, and reaches the test origins through a veth). The
 HEALTHCHECK command is run inside that namespace too.
@@ -76,11 +77,14 @@ def image_env() -> dict[str, str]:
     return env
 
 
-def copied_policy_source() -> Path:
-    for word, rest in final_stage():
-        if word == "COPY" and rest.split()[-1] == IMAGE_POLICY:
-            return ROOT / rest.split()[-2]
-    raise AssertionError(f"the image does not COPY a policy to {IMAGE_POLICY}")
+def image_policy_text() -> str:
+    """The policy the image's command runs with here. The image COPYs
+    config/policy.yaml, the user's copy to edit, which tests never read (an
+    edit must not fail `make test`): the packaged starter policy, which that
+    copy starts as, stands in for it."""
+    assert any(word == "COPY" and rest.split()[-1] == IMAGE_POLICY for word, rest in final_stage()), \
+        f"the image does not COPY a policy to {IMAGE_POLICY}"
+    return (ROOT / "sluice" / "starter_policy.yaml").read_text()
 
 
 def healthcheck() -> list[str]:
@@ -100,7 +104,7 @@ class ImageCommand(SluiceProcess):
     """Runs the image's argv (paths substituted) inside a container-like namespace."""
 
     def __init__(self, workdir: Path, container: AgentNamespace, argv: list[str]):
-        super().__init__(workdir, copied_policy_source().read_text(), name="image")
+        super().__init__(workdir, image_policy_text(), name="image")
         self.container = container
         self.argv = argv
 
@@ -145,7 +149,7 @@ def test_the_image_command_is_the_documented_one():
     assert exposed == ["8080"], "EXPOSE only what the default command listens on"
 
 
-def test_the_image_command_listens_where_it_says_and_enforces_the_bundled_policy(image, container, net):
+def test_the_image_command_listens_where_it_says_and_enforces_the_starter_policy(image, container, net):
     assert image.ready_line is not None
     assert image.ready_line.startswith("sluice: ready on 0.0.0.0:8080 (mode regular;"), image.ready_line
     proxy = f"http://{container.inner_ip}:8080"
@@ -349,7 +353,7 @@ def test_a_ca_directory_left_to_root_is_one_line_naming_the_fix(user_container, 
     ca = workdir / "ca"
     make_ca(ca)  # as root: root's, 0700, key 0600 (not what docs/deploy.md says to mount)
     proc = run_as_image_user(ImageUserCommand(workdir, user_container, ca, readable=[]), monkeypatch)
-    proc.policy_file.write_text(copied_policy_source().read_text())
+    proc.policy_file.write_text(image_policy_text())
     out = subprocess.run(proc.command(), capture_output=True, text=True, timeout=60, env={**os.environ})
     assert out.returncode == 2, out
     assert "Traceback" not in out.stderr
