@@ -241,3 +241,34 @@ def test_set_scripts_says_that_sluice_proxy_loads_no_scripts(tmp_path):
     assert result.returncode == 2 and "Traceback" not in result.stderr
     line, = result.stderr.splitlines()
     assert line.startswith("sluice: `sluice proxy` loads no mitmproxy scripts") and "mitmdump -s" in line
+
+
+# One value per limit, unlike its default; a limit added to policy.model.Limits must be added here (and shown).
+LIMIT_VALUES = {
+    "connect_timeout": "7s", "request_timeout": "37s", "idle_timeout": "47s", "max_response_bytes": "3MiB",
+    "max_request_bytes": "5MiB", "tunnel_max_bytes": "7MiB", "tunnel_max_seconds": "2h", "max_header_bytes": "48KiB",
+    "max_header_count": 77, "header_timeout": "9s", "h2_stream_buffer_bytes": "3MiB", "h2_max_concurrent_streams": 33,
+    "ipv6_client_prefix": 56, "max_connections": 11, "max_total_connections": 222, "max_upstreams_per_connection": 6,
+    "max_tunnels": 4, "requests_per_second": 2.5, "burst": 12, "bytes_per_hour": "9GiB",
+    "max_requests_per_host_per_minute": 88,
+}
+
+
+def test_check_shows_every_limit_that_is_set(tmp_path, capsys):
+    from dataclasses import fields
+
+    from sluice.cli import main
+    from sluice.policy.model import Limits
+
+    assert set(LIMIT_VALUES) == {f.name for f in fields(Limits)}, "give the new limit a value here"
+
+    def summary(limits: dict) -> str:
+        path = tmp_path / "p.yaml"
+        shown = ", ".join(f"{key}: {value}" for key, value in limits.items())
+        path.write_text(f"version: 1\nlimits: {{{shown}}}\n")
+        assert main(["policy", "check", str(path)]) == 0, capsys.readouterr().err
+        return capsys.readouterr().out
+
+    for key, value in LIMIT_VALUES.items():
+        base = {"requests_per_second": 2.5} if key == "burst" else {}  # burst needs a rate
+        assert summary({**base, key: value}) != summary(base), f"policy check does not show limits.{key}"
