@@ -10,6 +10,7 @@ No test here sends a packet: the proxy is refused before it listens."""
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -272,3 +273,13 @@ def test_check_shows_every_limit_that_is_set(tmp_path, capsys):
     for key, value in LIMIT_VALUES.items():
         base = {"requests_per_second": 2.5} if key == "burst" else {}  # burst needs a rate
         assert summary({**base, key: value}) != summary(base), f"policy check does not show limits.{key}"
+
+
+def test_make_run_takes_policy_listen_and_admin():
+    if shutil.which("make") is None:
+        pytest.skip("needs make")
+    out = subprocess.run(["make", "-n", "-s", "run", "POLICY=mine.yaml", "LISTEN=127.0.0.1:8181", "ADMIN=off"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    command = ".venv/bin/sluice proxy --policy mine.yaml --listen 127.0.0.1:8181 --admin off"
+    assert out.stdout.splitlines()[-1] == command, out.stdout
