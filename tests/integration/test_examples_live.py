@@ -428,3 +428,7 @@ def test_the_live_proxy_does_what_the_case_says(item, proxies, origin_set, case_
     assert response.sluice_reason is not None, f"expected a Sluice refusal; got {shown}"
     if case.get("reason"):
         assert response.sluice_reason == case["reason"], f"expected {case['reason']}; got {shown}"
+    # The refusal's own audit line, waited for here so that it cannot land after
+    # the next case's mark (a loaded machine wrote the ftp case's line late and
+    # the next case read it as its own).
+    proxy.wait_audit(lambda e: e["reason"] == response.sluice_reason, since=mark, what="the refusal's audit line")
