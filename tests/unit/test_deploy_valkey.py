@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import copy
 import json
+import os
+import shutil
+import subprocess
 from importlib import resources
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -71,9 +74,22 @@ def json_patch_add(doc: dict, path: str, value: object) -> None:
         node[last] = value
 
 
+def set_images(docs: dict[Key, dict], images: list[dict]) -> None:
+    """kustomize's `images:` (newName, newTag or digest) on every container."""
+    for doc in docs.values():
+        for c in doc.get("spec", {}).get("template", {}).get("spec", {}).get("containers", []):
+            for image in images:
+                if c["image"].split("@")[0].split(":")[0] == image["name"]:
+                    name = image.get("newName", image["name"])
+                    c["image"] = (f"{name}@{image['digest']}" if "digest" in image
+                                  else f"{name}:{image['newTag']}" if "newTag" in image else name)
+
+
 def base() -> dict[Key, dict]:
     kustomization = load_kustomization(K8S)
-    return resources_of(K8S, kustomization) | generated_configmaps(K8S, kustomization)
+    docs = resources_of(K8S, kustomization) | generated_configmaps(K8S, kustomization)
+    set_images(docs, kustomization.get("images", []))
+    return docs
 
 
 def rendered() -> dict[Key, dict]:
@@ -347,3 +363,22 @@ def test_compose_sluice_mounts_the_policy_with_state_and_the_secret_it_names(tmp
     assert {k: v for k, v in policy.items() if k != "state"} == base_policy, \
         "deploy/compose/policy-valkey/policy.yaml must stay policy/policy.yaml plus state"
     assert_checks(tmp_path, text, "/run/secrets/valkey-password")
+
+
+KUSTOMIZE = shutil.which("kustomize") or shutil.which("kubectl")
+
+
+@pytest.mark.skipif(KUSTOMIZE is None or os.environ.get("SLUICE_NETNS") != "1",
+                    reason="needs kustomize or kubectl, run inside the test namespace (scripts/in-netns.sh)")
+def test_kustomize_itself_renders_what_these_tests_model(tmp_path):
+    overlay = tmp_path / "overlay"
+    overlay.mkdir()
+    (overlay / "kustomization.yaml").write_text(yaml.safe_dump({
+        "resources": [os.path.relpath(K8S, overlay)], "components": [os.path.relpath(COMPONENT, overlay)]}))
+    argv = [KUSTOMIZE, "build", str(overlay)] if KUSTOMIZE.endswith("kustomize") else [KUSTOMIZE, "kustomize",
+                                                                                       str(overlay)]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    built = {(d["kind"], d["metadata"].get("namespace", ""), d["metadata"]["name"]): d
+             for d in yaml.safe_load_all(done.stdout) if d}
+    assert built == rendered()
