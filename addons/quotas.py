@@ -173,9 +173,11 @@ class Quotas:
         old, self.state = self.counters, settings
         if settings is None:
             self.counters = MemoryCounters()
+            self.gate.identity.store = None
         else:
             store = StoreCounters(settings, self._store_status)
             self.counters = store
+            self.gate.identity.store = store  # login throttles are shared on it too
             _spawn(store.start())
             self.audit.write(event="state_store", decision="connect", detail=f"counting through {settings.where}")
         if isinstance(old, StoreCounters):

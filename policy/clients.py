@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import netaddr
 
 from sluice.policy.model import ClientProfile, Policy, Rules
+from sluice.policy.quotas import STORE_DOWN_RETRY_AFTER
 from sluice.policy.reasons import Reason, Refusal
 
 
@@ -207,6 +208,18 @@ def throttled(policy: Policy, retry_after: int, busy: bool = False) -> ClientMat
         f"{why}; wait {retry_after} s (Retry-After) and retry once with the username and password your proxy URL "
         "carries, and check them if this repeats",
         retry_after=retry_after, note=policy.rules.refusal_note))
+
+
+def throttle_store_down(policy: Policy) -> ClientMatch:
+    """Refused without checking the password: the throttle of wrong passwords
+    lives in the shared store, which is down, and `state.on_error` is
+    `closed`. A password already accepted by this process never gets here."""
+    return ClientMatch(policy.rules, None, Refusal(
+        Reason.STATE_STORE_UNAVAILABLE,
+        "the proxy's shared limit store is unreachable, so this proxy password cannot be checked against the shared "
+        "throttle of wrong passwords, and the policy refuses such checks until the store is back "
+        "(state.on_error: closed)",
+        retry_after=STORE_DOWN_RETRY_AFTER, note=policy.rules.refusal_note))
 
 
 def _wrong_credentials(policy: Policy) -> ClientMatch:

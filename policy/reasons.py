@@ -163,8 +163,9 @@ REASONS: dict[Reason, ReasonInfo] = {
     Reason.STATE_STORE_UNAVAILABLE: ReasonInfo(503,
                                                "the proxy's shared limit store (`state.store`) is unreachable and "
                                                "the policy's `state.on_error` is `closed`, so a request that needs a "
-                                               "shared limit is refused until the store is back; retry after the "
-                                               "`Retry-After` seconds"),
+                                               "shared limit (or a proxy password not yet accepted, which needs the "
+                                               "shared throttle of wrong passwords) is refused until the store is "
+                                               "back; retry after the `Retry-After` seconds"),
 }
 
 # Sent with every refusal so an agent knows this is deliberate and final

@@ -29,6 +29,15 @@ Password verifiers (PBKDF2, 40-120 ms a check) must never stall the proxy:
   start, a reload that changed the hash, or past the cache's size) waits out
   the throttle like a guess would.
 
+With the policy's `state.store` (sluice/state_store.py) the throttles'
+levels live in the store instead, shared by every process on it (one Lua
+script checks and charges both buckets, on the store's clock), so a login
+throttle on one process holds on the others. No check waits on the store
+longer than `state.timeout`. While the store is down a check throttles in
+this process (`state.on_error: local`) or (`closed`) is refused with
+`state_store_unavailable`; a remembered success passes either way (it
+needs no throttle).
+
 Every parameter is a constant below, documented in docs/policy.md.
 """
 
@@ -44,6 +53,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Hashable
 from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING
 
 from mitmproxy import connection
 from mitmproxy.proxy import mode_specs
@@ -62,11 +72,15 @@ from sluice.policy.clients import (
     identify,
     identity_of,
     profile_match,
+    throttle_store_down,
     throttled,
     verify_password,
 )
 from sluice.policy.model import Policy
-from sluice.policy.quotas import source_group
+from sluice.policy.quotas import CountersUnavailable, source_group
+
+if TYPE_CHECKING:
+    from sluice.state_store import StoreCounters
 
 PROXY_AUTHORIZATION = "Proxy-Authorization"
 
@@ -184,6 +198,27 @@ class FailureThrottle:
             self._levels[key] = (max(0.0, level - 1), now)
 
 
+class _Guess:
+    """One password check's charge: the throttle keys it counts against, and
+    the store it was charged to (None: this process's throttles)."""
+
+    __slots__ = ("source", "username", "shared")
+
+    def __init__(self, source: str | None, username: str | None) -> None:
+        self.source, self.username = source, username
+        self.shared: StoreCounters | None = None
+
+    @property
+    def buckets(self) -> list[tuple[Hashable, int, float]]:
+        """(store key, burst, refill seconds) of each throttle it counts against."""
+        buckets: list[tuple[Hashable, int, float]] = []
+        if self.source:
+            buckets.append((("addr", self.source), ADDRESS_BURST, ADDRESS_REFILL_SECONDS))
+        if self.username is not None:
+            buckets.append((("user", self.username), USERNAME_BURST, USERNAME_REFILL_SECONDS))
+        return buckets
+
+
 class ClientIdentifier:
     """`verify`, `clock` and `sleep` are injectable for tests."""
 
@@ -195,8 +230,12 @@ class ClientIdentifier:
     ) -> None:
         self._verify_password = verify
         self._sleep = sleep
+        # In this process: without a store, and while one is down (on_error: local).
         self._by_address = FailureThrottle(ADDRESS_BURST, ADDRESS_REFILL_SECONDS, TRACKED_KEYS, clock)
         self._by_username = FailureThrottle(USERNAME_BURST, USERNAME_REFILL_SECONDS, TRACKED_KEYS, clock)
+        # The policy's shared store, when it names one (the quota addon sets it
+        # as it connects: addons/quotas.py `use_state`).
+        self.store: StoreCounters | None = None
         self._successes: OrderedDict[bytes, None] = OrderedDict()
         self._pending: dict[bytes, asyncio.Future[bool]] = {}
         self._pool: ThreadPoolExecutor | None = None  # made on first use: no threads without users
@@ -268,31 +307,66 @@ class ClientIdentifier:
             shared = self._pending.get(key)
             if shared is not None:  # the same check is already running: share its answer
                 return checked(policy, check, await asyncio.shield(shared))
-        wait = max(self._by_address.retry_after(source) if source else 0.0,
-                   self._by_username.retry_after(check.username) if check.verifier is not None else 0.0)
+        # No such user (no verifier): a guess from this address, but no username's.
+        guess = _Guess(source, check.username if check.verifier is not None else None)
+        try:
+            wait = await self._charge(guess)
+        except CountersUnavailable:  # the shared store is down and the policy says on_error: closed
+            return throttle_store_down(policy)
         if wait > 0:
             await self._sleep(THROTTLED_DELAY_SECONDS)
             return throttled(policy, max(1, math.ceil(wait - THROTTLED_DELAY_SECONDS)))
-        if key is None:  # no such user: wrong without hashing, but still a guess from this address
-            if source:
-                self._by_address.charge(source)
+        if key is None:  # no such user: wrong without hashing
             return checked(policy, check, False)
         if len(self._pending) >= MAX_PENDING_CHECKS:
+            self._refund(guess)  # never checked: not a guess
             await self._sleep(THROTTLED_DELAY_SECONDS)
             return throttled(policy, BUSY_RETRY_AFTER, busy=True)
         # Charged before hashing, so concurrent guesses see each other;
         # refunded if the password is right.
-        if source:
-            self._by_address.charge(source)
-        self._by_username.charge(check.username)
         future = asyncio.get_running_loop().run_in_executor(self._executor(), self._verify_password, check.verifier,
                                                             password)
         self._pending[key] = future
-        future.add_done_callback(lambda done: self._finished(key, source, check.username, done))
+        future.add_done_callback(lambda done: self._finished(key, guess, done))
         # shield: a client that goes away must not cancel a check others share
         return checked(policy, check, await asyncio.shield(future))
 
-    def _finished(self, key: bytes, source: str | None, username: str, done: asyncio.Future[bool]) -> None:
+    async def _charge(self, guess: _Guess) -> float:
+        """Charge one guess to its address's and username's throttles: 0.0,
+        or (throttled, nothing charged) the seconds until one is allowed.
+        In the shared store when there is one and it answers, else here;
+        `CountersUnavailable` when it is down and on_error is closed."""
+        store = self.store
+        if store is not None and guess.buckets:
+            try:
+                wait = await store.throttle_guess(guess.buckets)
+            except CountersUnavailable:
+                if store.refuses_while_down:
+                    raise
+            else:
+                guess.shared = store
+                return wait
+        wait = max(self._by_address.retry_after(guess.source) if guess.source else 0.0,
+                   self._by_username.retry_after(guess.username) if guess.username is not None else 0.0)
+        if wait > 0:
+            return wait
+        if guess.source:
+            self._by_address.charge(guess.source)
+        if guess.username is not None:
+            self._by_username.charge(guess.username)
+        return 0.0
+
+    def _refund(self, guess: _Guess) -> None:
+        """Take back a guess's charge, where it was made."""
+        if guess.shared is not None:
+            guess.shared.throttle_refund(guess.buckets)
+            return
+        if guess.source:
+            self._by_address.refund(guess.source)
+        if guess.username is not None:
+            self._by_username.refund(guess.username)
+
+    def _finished(self, key: bytes, guess: _Guess, done: asyncio.Future[bool]) -> None:
         self._pending.pop(key, None)
         if done.cancelled() or done.exception() is not None or not done.result():
             return
@@ -300,9 +374,7 @@ class ClientIdentifier:
         self._successes.move_to_end(key)
         while len(self._successes) > SUCCESS_CACHE_ENTRIES:
             self._successes.popitem(last=False)
-        if source:
-            self._by_address.refund(source)
-        self._by_username.refund(username)
+        self._refund(guess)
 
     def _cache_key(self, verifier: str, password: str) -> bytes:
         h = hashlib.blake2b(key=self._cache_secret, digest_size=16)

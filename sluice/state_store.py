@@ -12,6 +12,10 @@
   hashes of live processes; a hash whose heartbeat expired (a process
   killed with tunnels open) is deleted by the next count, so a crashed
   process's holdings are free within HEARTBEAT_TTL.
+- Login-failure throttles (sluice/identity.py) are leaky buckets in the
+  store (`sluice:login:<key>`): one script leaks them on the store's
+  clock, refuses a guess past the burst or charges it, and sets each key
+  to expire once it would have drained.
 - Bytes are charged as they pass (that cannot wait), against this
   process's view of the client's hourly window, and settled with the store
   in batches of BYTE_BATCH per client (or every FLUSH_EVERY). The slack is
@@ -49,7 +53,7 @@ import os
 import socket
 import sys
 import time
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 from sluice.policy.quotas import PROCESS_KINDS, CountersUnavailable, MemoryCounters
@@ -116,6 +120,41 @@ redis.call('HINCRBY', prefix .. 'held:' .. me, field, 1)
 return {1, total}
 """
 
+# Login-failure throttles (sluice/identity.py), leaky buckets of wrong
+# passwords: KEYS the buckets (an address's, a username's); ARGV amount
+# (1: a guess, -1: a refund), then burst and refill seconds for each key.
+# Each level drains by one every refill seconds of the store's clock. A
+# guess is refused, charging nothing, while any bucket's level is past
+# burst - 1 (returns the seconds until it is not); else every bucket is
+# charged (returns '0'). A bucket expires once it would have drained to 0.
+THROTTLE = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+local amount = tonumber(ARGV[1])
+local levels, wait = {}, 0
+for i, key in ipairs(KEYS) do
+  local burst, refill = tonumber(ARGV[2 * i]), tonumber(ARGV[2 * i + 1])
+  local s = redis.call('HMGET', key, 'level', 'when')
+  local level = 0
+  if s[1] then level = math.max(0, tonumber(s[1]) - math.max(0, now - tonumber(s[2])) / refill) end
+  levels[i] = level
+  local excess = level - (burst - 1)
+  if amount > 0 and excess > 0 then wait = math.max(wait, excess * refill) end
+end
+if wait > 0 then return tostring(wait) end
+for i, key in ipairs(KEYS) do
+  local refill = tonumber(ARGV[2 * i + 1])
+  local level = math.max(0, levels[i] + amount)
+  if level > 0 then
+    redis.call('HSET', key, 'level', tostring(level), 'when', tostring(now))
+    redis.call('PEXPIRE', key, math.ceil(level * refill * 1000) + 1000)
+  else
+    redis.call('DEL', key)
+  end
+end
+return '0'
+"""
+
 # KEYS[1] this process's hash; ARGV field. One holder fewer.
 RELEASE = """
 local left = redis.call('HINCRBY', KEYS[1], ARGV[1], -1)
@@ -145,7 +184,8 @@ class StoreCounters:
         self._clock = clock
         self._client = client if client is not None else _connect(settings)
         self._scripts = {name: self._client.register_script(text)
-                         for name, text in (("take", TAKE), ("spend", SPEND), ("hold", HOLD), ("release", RELEASE))}
+                         for name, text in (("take", TAKE), ("spend", SPEND), ("hold", HOLD), ("release", RELEASE),
+                                            ("throttle", THROTTLE))}
         self._held: dict[str, int] = {}  # field -> holders this process has counted in the store
         self._bytes: dict[Hashable, list[float]] = {}  # key -> [known used, unsettled, resets at, period]
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -327,6 +367,36 @@ class StoreCounters:
                 pass
         return await self._fallback().count(key)
 
+    # ---- login-failure throttles (sluice/identity.py) -------------------------------
+
+    @property
+    def refuses_while_down(self) -> bool:
+        """on_error: closed (what needs the store is refused while it is down)."""
+        return self._closed_mode
+
+    async def throttle_guess(self, buckets: Sequence[tuple[Hashable, int, float]]) -> float:
+        """One wrong-password guess against `buckets` ((key, burst, refill
+        seconds) each), in one script: 0.0 and every bucket charged, or the
+        seconds until a guess is allowed and nothing charged.
+        `CountersUnavailable` while the store is down, whatever on_error
+        says: the caller throttles in process or refuses."""
+        return float(await self._guard(self._scripts["throttle"](
+            keys=[_throttle_key(key) for key, _, _ in buckets],
+            args=[1, *(v for _, burst, refill in buckets for v in (burst, repr(float(refill))))])))
+
+    def throttle_refund(self, buckets: Sequence[tuple[Hashable, int, float]]) -> None:
+        """Take back one guess (the password was right), in the background:
+        nothing waits for it, and while the store is down it is dropped (the
+        levels drain by themselves)."""
+        if self.up and not self._closed:
+            self._spawn(self._throttle_refund(buckets))
+
+    async def _throttle_refund(self, buckets: Sequence[tuple[Hashable, int, float]]) -> None:
+        with contextlib.suppress(CountersUnavailable):
+            await self._guard(self._scripts["throttle"](
+                keys=[_throttle_key(key) for key, _, _ in buckets],
+                args=[-1, *(v for _, burst, refill in buckets for v in (burst, repr(float(refill))))]))
+
     # ---- bytes: charged now, settled in batches ------------------------------------
 
     def spend(self, key: Hashable, amount: int, limit: int | None, period: float, now: float) -> int:
@@ -394,6 +464,10 @@ class StoreCounters:
                 del self._bytes[key]
             elif view[1] > 0:
                 await self._settle(key)
+
+
+def _throttle_key(key: Hashable) -> str:
+    return PREFIX + "login:" + key_text(key)
 
 
 def _per_process(key: Hashable) -> bool:
