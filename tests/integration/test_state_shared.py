@@ -3,11 +3,13 @@ loopback, issue 23): one client's rate, tunnels and transfer are held
 together across both; the store killed mid-run leaves both serving
 (`on_error: local`) with a stderr line and an audit line each, or (`closed`)
 refusing what needs a shared limit with `state_store_unavailable`, and
-sharing resumes once it is back; a process killed with a tunnel open frees its
+sharing resumes once it is back; wrong proxy passwords counted by one throttle the
+address on the other; a process killed with a tunnel open frees its
 slot within the heartbeat's TTL."""
 
 from __future__ import annotations
 
+import base64
 import signal
 import socket
 import time
@@ -20,10 +22,13 @@ from harness import default_policy
 from harness.clients import _Reader, connect, read_response, socks5_connect
 from harness.redis_server import RedisServer
 from harness.wait import wait_until
+from sluice.policy.loader import hash_password
 
 pytestmark = pytest.mark.netns
 
-RATE, TUNNELS, BYTES, KILLED = "127.0.0.2", "127.0.0.3", "127.0.0.4", "127.0.0.5"
+RATE, TUNNELS, BYTES, KILLED, GUESSER = "127.0.0.2", "127.0.0.3", "127.0.0.4", "127.0.0.5", "127.0.0.9"
+# Proxy users (a cheap hash: these tests count guesses, not hashing cost).
+USERS = {user: {"password_hash": hash_password(f"{user}-pw", iterations=10_000)} for user in ("alice", "carol", "dave")}
 QUOTA = 600 * 1024  # bytes_per_hour: a few batches, so the slack (a batch a process) is visible
 
 
@@ -41,6 +46,7 @@ def _policy(store, **state):
             {"name": "tunnels", "sources": [f"{TUNNELS}/32"], "limits": {"max_tunnels": 2}},
             {"name": "transfer", "sources": [f"{BYTES}/32"], "limits": {"bytes_per_hour": QUOTA}},
             {"name": "killed", "sources": [f"{KILLED}/32"], "limits": {"max_tunnels": 1}},
+            {"name": "login", "users": USERS},
         ])
 
 
@@ -49,9 +55,12 @@ def pair(sluice_factory, store):
     return sluice_factory(_policy(store), name="shared-a"), sluice_factory(_policy(store), name="shared-b")
 
 
-def _get(proxy, source: str, url: str = "http://8.8.8.8/"):
+def _get(proxy, source: str, url: str = "http://8.8.8.8/", login: tuple[str, str] | None = None):
+    auth = ""
+    if login is not None:
+        auth = "Proxy-Authorization: Basic " + base64.b64encode(":".join(login).encode()).decode() + "\r\n"
     with socket.create_connection(proxy.address, timeout=15, source_address=(source, 0)) as s:
-        s.sendall(f"GET {url} HTTP/1.1\r\nHost: {url.split('/')[2]}\r\nConnection: close\r\n\r\n".encode())
+        s.sendall(f"GET {url} HTTP/1.1\r\nHost: {url.split('/')[2]}\r\n{auth}Connection: close\r\n\r\n".encode())
         return read_response(_Reader(s))
 
 
@@ -89,6 +98,17 @@ def test_one_clients_transfer_is_held_across_both_processes_within_the_slack(pai
     # a batch (256 KiB) a process, the documented slack; without sharing each would pass the whole quota
     assert QUOTA <= passed + 65536 and passed <= QUOTA + 2 * 256 * 1024
     assert _get(a, BYTES).status == _get(b, BYTES).status == 429
+
+
+def test_a_login_throttle_on_one_process_holds_on_the_other(pair):
+    a, b = pair
+    # The address's burst of wrong passwords (5), spread over both processes.
+    assert [_get(p, GUESSER, login=("alice", f"guess-{i}")).sluice_reason for i, p in enumerate((a, b) * 2 + (a,))] == [
+        "client_unknown"] * 5
+    for proxy in (b, a):  # each throttles the address now, though it saw only 2 or 3 of the guesses
+        refused = _get(proxy, GUESSER, login=("alice", "one-more"))
+        assert (refused.status, refused.sluice_reason) == (407, "auth_throttled")
+        assert int(refused.headers["retry-after"]) >= 1
 
 
 def test_the_store_killed_mid_run_leaves_both_serving_and_sharing_resumes(pair, store):
@@ -139,6 +159,7 @@ def _closed_policy(store):
             {"name": "closed-rate", "sources": [f"{CLOSED_RATE}/32"],
              "limits": {"requests_per_second": 0.01, "burst": 4}},
             {"name": "closed-tunnels", "sources": [f"{CLOSED_TUNNELS}/32"], "limits": {"max_tunnels": 4}},
+            {"name": "login", "users": USERS},
         ])  # UNLIMITED matches no profile: the top level sets no limit
 
 
@@ -155,6 +176,7 @@ def test_on_error_closed_refuses_what_needs_a_shared_limit_while_the_store_is_do
               sluice_factory(_closed_policy(store), socks=True, name="closed-b"))
     assert [_get(p, CLOSED_RATE).status for p in closed] == [200, 200]  # the store answers: limits are shared
     assert [_store_up(p) for p in closed] == [1, 1]
+    assert [_get(p, UNLIMITED, login=("carol", "carol-pw")).status for p in closed] == [200, 200]  # remembered
     marks = [(p.stderr_mark(), p.audit_mark()) for p in (*closed, *pair)]
     store.stop()
     try:
@@ -167,6 +189,13 @@ def test_on_error_closed_refuses_what_needs_a_shared_limit_while_the_store_is_do
             assert (response.status, response.reason) == (503, "Sluice state_store_unavailable")
             assert socks5_connect(proxy.socks_address, "8.8.8.8", 80, atyp="ip", source=CLOSED_TUNNELS).reply == 2
             assert _get(proxy, UNLIMITED).status == 200  # no limit to check: passes
+            # A password not yet checked here needs the shared throttle of wrong passwords: refused, unhashed;
+            # one this process already accepted needs none.
+            login = _get(proxy, UNLIMITED, login=("dave", "dave-pw"))
+            assert (login.status, login.sluice_reason, login.headers.get("retry-after")) == (
+                503, "state_store_unavailable", "5")
+            assert "throttle of wrong passwords" in login.text
+            assert _get(proxy, UNLIMITED, login=("carol", "carol-pw")).status == 200
             wait_until(lambda p=proxy, m=stderr: "refusing what needs a shared limit" in p.stderr_since(m),
                        timeout=10, what="the store-down line on stderr")
             lines = proxy.audit()[audit:]
