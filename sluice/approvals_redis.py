@@ -11,6 +11,8 @@ Keys (all under `sluice:approvals:`):
   clock); `grant:<id>`: the grant as JSON, kept GRACE past its expiry so the
   process that finds it expired can audit it.
 - `events`: list of the admin's audit records (JSON), claimed once.
+- `version`: hash (born, n), bumped by every change of asks or grants, so a
+  refresh reads them only when they changed.
 
 Every step that two processes may race is one Lua script: recording an ask
 (one record and one `approval_requested` line per id), approving or denying
@@ -69,12 +71,27 @@ local function value(key)
   if type(v) == 'table' and v['err'] then return 'SLUICEFOREIGN ' .. v['err'] end
   return v
 end
+-- The version of what a snapshot holds: bumped by every change of asks or
+-- grants, and born anew with the key (a store that restarted empty is never
+-- taken for the one a process last read).
+local function version()
+  local h = redis.call('HMGET', ARGV[1] .. 'version', 'born', 'n')
+  return tostring(h[1]) .. ':' .. tostring(h[2])
+end
+local function bump()
+  local key = ARGV[1] .. 'version'
+  check(key, 'hash')
+  redis.call('HSETNX', key, 'born', tostring(now()))
+  redis.call('HINCRBY', key, 'n', 1)
+end
 """
 
-# KEYS asks, grants; ARGV prefix, ask lifetime. Deletes the grants that expired
-# and returns them (to this caller only), the grants in force, the pending ids.
+# KEYS asks, grants; ARGV prefix, ask lifetime, the version the caller holds.
+# Deletes the grants that expired and returns them (to this caller only); then,
+# unless the caller's version is current, the grants in force and the pending
+# ids ({time, expired, false, false, version} when it is: nothing to read).
 SNAPSHOT = _CHECK + """
-check(KEYS[1], 'zset'); check(KEYS[2], 'zset')
+check(KEYS[1], 'zset'); check(KEYS[2], 'zset'); check(ARGV[1] .. 'version', 'hash')
 local t = now()
 local expired, live = {}, {}
 local gone = redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', t, 'WITHSCORES')
@@ -85,17 +102,22 @@ for i = 1, #gone, 2 do
   redis.call('ZREM', KEYS[2], gone[i])
   if v then table.insert(expired, gone[i]); table.insert(expired, v); table.insert(expired, gone[i + 1]) end
 end
+local dropped = redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', t - tonumber(ARGV[2]))
+if #gone > 0 or dropped > 0 then bump() end
+if version() == ARGV[3] then return {tostring(t), expired, false, false, ARGV[3]} end
 local held = redis.call('ZRANGEBYSCORE', KEYS[2], '(' .. t, '+inf', 'WITHSCORES')
+local lost = false
 for i = 1, #held, 2 do
   local v = value(ARGV[1] .. 'grant:' .. held[i])
   if v then
     table.insert(live, held[i]); table.insert(live, v); table.insert(live, held[i + 1])
   else
     redis.call('ZREM', KEYS[2], held[i])  -- its record was deleted by hand: nothing in force
+    lost = true
   end
 end
-redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', t - tonumber(ARGV[2]))
-return {tostring(t), expired, live, redis.call('ZRANGE', KEYS[1], 0, -1)}
+if lost then bump() end
+return {tostring(t), expired, live, redis.call('ZRANGE', KEYS[1], 0, -1), version()}
 """
 
 # KEYS asks, grants; ARGV prefix. Read only: the pending asks (id, JSON) and
@@ -126,6 +148,7 @@ if until_ and tonumber(until_) > t then return 0 end
 if redis.call('ZSCORE', KEYS[1], ARGV[2]) then return 0 end
 redis.call('SET', ARGV[1] .. 'ask:' .. ARGV[2], ARGV[3], 'PX', math.ceil(tonumber(ARGV[4]) * 1000))
 redis.call('ZADD', KEYS[1], t, ARGV[2])
+bump()
 return 1
 """
 
@@ -143,6 +166,7 @@ redis.call('SET', ARGV[1] .. 'grant:' .. ARGV[2], ARGV[3], 'PX', math.ceil((life
 redis.call('ZADD', KEYS[2], string.format('%.6f', t + lifetime), ARGV[2])
 redis.call('RPUSH', KEYS[3], ARGV[5])
 redis.call('LTRIM', KEYS[3], -tonumber(ARGV[7]), -1)
+bump()
 return tostring(t)
 """
 
@@ -160,6 +184,7 @@ redis.call('DEL', key)
 redis.call('ZREM', KEYS[1], ARGV[2])
 redis.call('RPUSH', KEYS[2], ARGV[4])
 redis.call('LTRIM', KEYS[2], -tonumber(ARGV[5]), -1)
+bump()
 return {until_, tostring(t)}
 """
 
@@ -184,6 +209,8 @@ class RedisApprovalStore:
             ("snapshot", SNAPSHOT), ("listing", LISTING), ("record", RECORD), ("answer", ANSWER),
             ("revoke", REVOKE), ("claim", CLAIM))}
         self._reported: set[str] = set()  # records not Sluice's, said once each
+        # The last snapshot's grants (expiry on the store's clock) and pending ids, and its version.
+        self._held: tuple[tuple[tuple[Grant, ...], frozenset[str]], str] = (((), frozenset()), "")
         self._lock = threading.Lock()
 
     @property
@@ -199,10 +226,19 @@ class RedisApprovalStore:
     # ---- the proxy's side ---------------------------------------------------------
 
     def snapshot(self, now: float) -> tuple[Snapshot, list[Grant]]:
-        """As ApprovalStore.snapshot; expiry times in the caller's clock (`now` is its time now)."""
-        store_now, expired, live, pending = self._run("snapshot", [ASKS, GRANTS], [PREFIX, ASK_LIFETIME])
+        """As ApprovalStore.snapshot; expiry times in the caller's clock (`now`
+        is its time now). Grants and asks are read only when they changed
+        since this store's last snapshot (the store's version): an idle
+        refresh is one short reply, however many grants are in force."""
+        held, version = self._held
+        store_now, expired, live, pending, now_version = self._run(
+            "snapshot", [ASKS, GRANTS], [PREFIX, ASK_LIFETIME, version])
+        if live is not None:
+            held = (tuple(self._grants(live, 0.0)), frozenset(pending))  # expiry on the store's clock
+            self._held = (held, now_version)
         shift = now - float(store_now)
-        return (Snapshot(tuple(self._grants(live, shift)), frozenset(pending), now),
+        grants, pending_ids = held
+        return (Snapshot(tuple(_with_expiry(g, g.expires + shift) for g in grants), pending_ids, now),
                 list(self._grants(expired, shift)))
 
     def record_ask(self, ask: Ask, grant_for: float) -> bool:

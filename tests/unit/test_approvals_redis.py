@@ -193,3 +193,24 @@ def test_with_a_store_no_sqlite_file_is_made_and_grants_outlive_the_process(redi
     without = open_approvals(None, str(tmp_path))
     assert (tmp_path / FILE_NAME).exists()  # without `state`: the SQLite file, as before
     without.close()
+
+
+def test_a_refresh_reads_grants_only_when_they_changed_and_sees_every_change(stores, redis):
+    a, b = stores
+    replies = []
+    run = a._run
+    a._run = lambda name, keys, args: replies.append(run(name, keys, args)) or replies[-1]
+    assert a.snapshot(time.time())[0].grants == ()
+    ask = ask_for(host="version.example")
+    b.record_ask(ask, 600)
+    assert a.snapshot(time.time())[0].pending == {ask.id}
+    b.answer(ask.id, denied=False, seconds=None, scope=None, who="ops", now=time.time())
+    assert [g.id for g in a.snapshot(time.time())[0].grants] == [ask.id]
+    idle = a.snapshot(time.time())[0]
+    assert [g.id for g in idle.grants] == [ask.id] and replies[-1][2] is None  # unchanged: nothing read
+    b.revoke(ask.id, "ops", time.time())
+    assert a.snapshot(time.time())[0].grants == ()
+    b.record_ask(ask, 600)
+    assert a.snapshot(time.time())[0].pending == {ask.id}
+    redis.restart()  # empty (nothing saved): a new version, never taken for the old one
+    assert a.snapshot(time.time())[0].pending == frozenset()
