@@ -21,6 +21,7 @@ import socket
 import ssl
 import threading
 from dataclasses import dataclass, field
+from .loops import stop_loop_thread
 
 ORIGIN_ADDRESSES = [
     ("8.8.8.8", 80),
@@ -114,21 +115,7 @@ class NetServers:
         return self
 
     def stop(self) -> None:
-        async def _close():
-            for s in self._servers:
-                s.close()
-            for s in self._servers:
-                try:
-                    await asyncio.wait_for(s.wait_closed(), 2)
-                except Exception:
-                    pass
-
-        try:
-            asyncio.run_coroutine_threadsafe(_close(), self._loop).result(timeout=5)
-        except Exception:
-            pass
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(timeout=5)
+        stop_loop_thread(self._loop, self._thread, self._servers)
 
     # ------------------------------------------------------------ internals
     async def _start_all(self) -> None:

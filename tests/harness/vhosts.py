@@ -41,6 +41,7 @@ import time
 from dataclasses import dataclass, field
 
 from .clients import Response, _Reader, connect, read_response, socks5_connect
+from .loops import stop_loop_thread
 
 # The two virtual hosts (and a third name) served on one address.
 A, B, C = "a.example", "b.example", "c.example"
@@ -119,12 +120,7 @@ class VhostOrigin:
         ]
 
     def stop(self) -> None:
-        async def _close():
-            for server in self.servers:
-                server.close()
-        asyncio.run_coroutine_threadsafe(_close(), self.loop).result(5)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(5)
+        stop_loop_thread(self.loop, self.thread, self.servers)
 
     @staticmethod
     def _on_sni(sslobj, server_name, _context):

@@ -31,6 +31,7 @@ from harness import default_policy
 from harness.clients import clean_env, connect, read_response, open_socket, _Reader
 from harness.sluice import sluice_executable
 from harness.wait import wait_until
+from harness.loops import stop_loop_thread
 
 pytestmark = pytest.mark.netns
 
@@ -103,12 +104,7 @@ class RecordingOrigin:
         return self
 
     def stop(self) -> None:
-        async def close():
-            for s in self.servers:
-                s.close()
-        asyncio.run_coroutine_threadsafe(close(), self.loop).result(5)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(5)
+        stop_loop_thread(self.loop, self.thread, self.servers)
 
     def seen(self, host: str | None = None) -> list[dict]:
         with self._lock:

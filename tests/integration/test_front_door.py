@@ -25,6 +25,7 @@ import pytest
 from harness import SluiceProcess, default_policy, free_port
 from harness.clients import curl
 from harness.http import read_request_head
+from harness.loops import stop_loop_thread
 
 pytestmark = pytest.mark.netns
 
@@ -56,10 +57,7 @@ class UpgradeOrigin:
         ]
 
     def stop(self):
-        for server in self.servers:
-            self.loop.call_soon_threadsafe(server.close)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(5)
+        stop_loop_thread(self.loop, self.thread, self.servers)
 
     def reset(self):
         self.requests.clear()

@@ -34,6 +34,7 @@ from sluice.webtools.request import request
 from sluice.webtools.sitemap import sitemap
 from sluice.webtools.store import SourceStore
 from sluice.webtools.tools import TOOLS
+from harness.loops import stop_loop_thread
 
 pytestmark = pytest.mark.netns
 
@@ -71,9 +72,7 @@ class Origin:
         return self
 
     def stop(self) -> None:
-        self.loop.call_soon_threadsafe(self.server.close)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(5)
+        stop_loop_thread(self.loop, self.thread, [self.server])
 
     async def _handle(self, reader, writer):
         try:

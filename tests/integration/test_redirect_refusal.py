@@ -32,6 +32,7 @@ import pytest
 
 from harness import default_policy
 from harness.clients import _Reader, curl, open_socket, read_response
+from harness.loops import stop_loop_thread
 
 pytestmark = pytest.mark.netns
 
@@ -86,10 +87,7 @@ class RedirectOrigin:
 
     def stop(self) -> None:
         self.release.set()
-        for server in self.servers:
-            self.loop.call_soon_threadsafe(server.close)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(5)
+        stop_loop_thread(self.loop, self.thread, self.servers)
 
     @staticmethod
     def _split(target: str) -> tuple[str, str]:

@@ -29,6 +29,7 @@ import yaml
 from harness import default_policy
 from harness.clients import connect, read_response, _Reader, socks5_connect
 from harness.vhosts import A, C, MODES, PLAIN_PORT, TLS_PORT, exchange, open_tunnel, start_vhost_origin
+from harness.loops import stop_loop_thread
 
 pytestmark = pytest.mark.netns
 
@@ -75,9 +76,7 @@ class H2Origin:
         return self
 
     def stop(self) -> None:
-        self.loop.call_soon_threadsafe(self.server.close)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(5)
+        stop_loop_thread(self.loop, self.thread, [self.server])
 
     async def _serve(self, reader, writer) -> None:
         conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=False, header_encoding="utf-8"))

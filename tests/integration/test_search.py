@@ -29,6 +29,7 @@ from harness.sluice import sluice_executable
 from harness.http import read_request_head
 from sluice.webtools.client import WebToolLimits, WebClient
 from sluice.webtools.search import search
+from harness.loops import stop_loop_thread
 
 pytestmark = pytest.mark.netns
 
@@ -79,10 +80,7 @@ class Mock:
                         await asyncio.start_server(self._handle, PRIVATE, PLAIN)]
 
     def stop(self):
-        for s in self.servers:
-            self.loop.call_soon_threadsafe(s.close)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(5)
+        stop_loop_thread(self.loop, self.thread, self.servers)
 
     def seen(self, host=None, path=None):
         return [r for r in self.requests if (host is None or r["host"] == host) and (path is None or r["path"] == path)]

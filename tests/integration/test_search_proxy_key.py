@@ -34,6 +34,7 @@ from harness import default_policy
 from harness.sluice import sluice_executable
 from sluice.webtools.client import WebToolLimits, WebClient
 from sluice.webtools.search import search
+from harness.loops import stop_loop_thread
 
 pytestmark = pytest.mark.netns
 
@@ -75,9 +76,7 @@ class Mock:
         return self
 
     def stop(self) -> None:
-        self.loop.call_soon_threadsafe(self.server.close)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(5)
+        stop_loop_thread(self.loop, self.thread, [self.server])
 
     async def _handle(self, reader, writer):
         try:

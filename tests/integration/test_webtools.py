@@ -31,6 +31,7 @@ from sluice.webtools.read import read
 from sluice.webtools.request import request
 from sluice.webtools.sitemap import sitemap
 from sluice.webtools.store import SourceStore
+from harness.loops import stop_loop_thread
 
 pytestmark = pytest.mark.netns
 
@@ -92,10 +93,7 @@ class WebOrigin:
         self.servers.append(await asyncio.start_server(self._handle, ORIGIN, TLS, ssl=self.server_ctx))
 
     def stop(self):
-        for server in self.servers:
-            self.loop.call_soon_threadsafe(server.close)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(5)
+        stop_loop_thread(self.loop, self.thread, self.servers)
 
     def seen(self, path: str) -> list[dict]:
         return [r for r in self.requests if r["path"] == path]

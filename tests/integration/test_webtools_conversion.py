@@ -25,6 +25,7 @@ from sluice.webtools.fetch import fetch, source_read
 from sluice.webtools.read import read
 from sluice.webtools.request import request
 from sluice.webtools.store import SourceStore
+from harness.loops import stop_loop_thread
 
 pytestmark = pytest.mark.netns
 
@@ -81,10 +82,7 @@ class ConversionOrigin:
                         await asyncio.start_server(self._handle, ORIGIN, TLS, ssl=self.server_ctx)]
 
     def stop(self):
-        for server in self.servers:
-            self.loop.call_soon_threadsafe(server.close)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(5)
+        stop_loop_thread(self.loop, self.thread, self.servers)
 
     ROUTES = {
         "/hidden": ("text/html; charset=utf-8", HIDDEN_PAGE.encode()),

@@ -33,6 +33,7 @@ from sluice.webtools.fetch import fetch
 from sluice.webtools.request import request
 from sluice.webtools.store import SourceStore
 from sluice.webtools.tools import TOOLS
+from harness.loops import stop_loop_thread
 
 pytestmark = pytest.mark.netns
 
@@ -71,8 +72,7 @@ class DripOrigin:
 
     def stop(self):
         asyncio.run_coroutine_threadsafe(self._stop(), self.loop).result(10)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(5)
+        stop_loop_thread(self.loop, self.thread)
 
     async def _stop(self):
         for server in self.servers:

@@ -37,6 +37,7 @@ from sluice.webtools.search import search
 from sluice.webtools.sitemap import sitemap
 from sluice.webtools.store import SourceStore
 from sluice.webtools.tools import render
+from harness.loops import stop_loop_thread
 
 pytestmark = pytest.mark.netns
 
@@ -85,9 +86,7 @@ class Origin:
         return self
 
     def stop(self) -> None:
-        self.loop.call_soon_threadsafe(self.server.close)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(5)
+        stop_loop_thread(self.loop, self.thread, [self.server])
 
     async def _handle(self, reader, writer):
         try:  # one request per connection: nothing is left open when the loop stops

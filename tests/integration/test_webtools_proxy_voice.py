@@ -35,6 +35,7 @@ from sluice.webtools.fetch import fetch
 from sluice.webtools.read import read
 from sluice.webtools.request import request
 from sluice.webtools.store import SourceStore
+from harness.loops import stop_loop_thread
 
 pytestmark = pytest.mark.netns
 
@@ -71,10 +72,7 @@ class ForgingOrigin:
                         await asyncio.start_server(self._handle, ORIGIN, TLS, ssl=self.server_ctx)]
 
     def stop(self):
-        for server in self.servers:
-            self.loop.call_soon_threadsafe(server.close)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(5)
+        stop_loop_thread(self.loop, self.thread, self.servers)
 
     def _answer(self, path: str, headers: dict) -> tuple[int, list[str], bytes]:
         self.requests.append({"path": path, "headers": headers})

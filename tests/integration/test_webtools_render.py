@@ -29,6 +29,7 @@ import pytest
 
 from harness import default_policy
 from harness.http import read_request_head
+from harness.loops import stop_loop_thread
 from sluice.webtools import render as render_mod
 from sluice.webtools.client import WebToolLimits, WebClient
 from sluice.webtools.fetch import fetch
@@ -142,17 +143,7 @@ class RenderOrigin:
                         await asyncio.start_server(self._handle, ORIGIN, TLS, ssl=self.server_ctx)]
 
     def stop(self):
-        async def close():
-            for server in self.servers:
-                server.close()
-            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-
-        asyncio.run_coroutine_threadsafe(close(), self.loop).result(10)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(5)
+        stop_loop_thread(self.loop, self.thread, self.servers)
 
     def seen(self, prefix: str) -> list[str]:
         return [p for p in list(self.paths) if p.startswith(prefix)]

@@ -23,6 +23,7 @@ from sluice.webtools.read import read
 from sluice.webtools.request import request
 from sluice.webtools.sitemap import sitemap
 from sluice.webtools.store import SourceStore
+from harness.loops import stop_loop_thread
 
 pytestmark = pytest.mark.netns
 
@@ -58,10 +59,7 @@ class RobotsOrigin:
                         for port in (RULES, SERVER_ERROR, MISSING, REFUSED, FRESH)]
 
     def stop(self):
-        for server in self.servers:
-            self.loop.call_soon_threadsafe(server.close)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(5)
+        stop_loop_thread(self.loop, self.thread, self.servers)
 
     def seen(self, port: int, path: str) -> int:
         return sum(1 for p, t, _ in self.requests if p == port and t == path)

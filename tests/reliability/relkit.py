@@ -25,6 +25,7 @@ import dns.rrset
 
 from harness.clients import Response, _Reader, read_response
 from harness.wait import wait_until  # noqa: F401 (the reliability tests take it from here)
+from harness.loops import stop_loop_thread
 
 # SLUICE_LONG=1 runs the long variants (bigger counts); the default is short
 # enough for `make test` on two cores.
@@ -259,13 +260,8 @@ class FaultOrigin:
         self.loop.call_soon_threadsafe(self._release.set)
 
     def stop(self) -> None:
-        async def _close():
-            self._release.set()
-            self.server.close()
-
-        asyncio.run_coroutine_threadsafe(_close(), self.loop).result(10)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(5)
+        self.loop.call_soon_threadsafe(self._release.set)
+        stop_loop_thread(self.loop, self.thread, [self.server])
 
     def reset_counts(self) -> None:
         with self._lock:

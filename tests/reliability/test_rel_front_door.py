@@ -65,6 +65,7 @@ from harness.clients import Response, _Reader, read_response
 from relkit import (
     FAULT_IP, KeepAlive, RssPeak, connect_tunnel, fd_count, get, quiet_fds, rss_kib, scaled, settle_fds, wait_until,
 )
+from harness.loops import stop_loop_thread
 
 pytestmark = pytest.mark.netns
 
@@ -125,9 +126,7 @@ class PipeOrigin:
         self.server = await asyncio.start_server(self._handle, self.ip, self.port, backlog=512)
 
     def stop(self) -> None:
-        self.loop.call_soon_threadsafe(self.server.close)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(5)
+        stop_loop_thread(self.loop, self.thread, [self.server])
 
     def reset(self) -> None:
         with self._lock:

@@ -44,6 +44,7 @@ import pytest
 from harness import default_policy
 from harness.clients import connect
 from relkit import RssPeak, rss_kib, wait_until
+from harness.loops import stop_loop_thread
 
 pytestmark = pytest.mark.netns
 
@@ -91,12 +92,7 @@ class BigOrigin:
         self.plain_port = plain.sockets[0].getsockname()[1]
 
     def stop(self) -> None:
-        async def _close():
-            for server in self.servers:
-                server.close()
-        asyncio.run_coroutine_threadsafe(_close(), self.loop).result(5)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(5)
+        stop_loop_thread(self.loop, self.thread, self.servers)
 
     def sent_settled(self, steady: float = 1.0, timeout: float = 20.0) -> int:
         """Wait (bounded) until `sent` has not grown for `steady` seconds."""

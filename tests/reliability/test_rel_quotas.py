@@ -209,6 +209,7 @@ import h2.settings  # noqa: E402
 
 from harness.sluice import SluiceProcess  # noqa: E402
 from harness.vhosts import A, B, C, ORIGIN_IP, VhostOrigin  # noqa: E402
+from harness.loops import stop_loop_thread  # noqa: E402
 
 MIB = 1024 * 1024
 TLS_PORT, PLAIN_PORT, H2_PORT = 8445, 8083, 8446
@@ -255,9 +256,7 @@ class H2Origin:
         self.server = await asyncio.start_server(self._serve, ORIGIN_IP, H2_PORT, ssl=self.ctx)
 
     def stop(self) -> None:
-        self.loop.call_soon_threadsafe(self.server.close)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(5)
+        stop_loop_thread(self.loop, self.thread, [self.server])
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=False, header_encoding="utf-8"))

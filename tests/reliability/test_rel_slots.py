@@ -35,6 +35,7 @@ from harness import default_policy
 from harness.sluice import free_port
 from harness.clients import _Reader, read_response
 from relkit import KeepAlive, fd_count, get, quiet_fds, settle_fds, wait_until
+from harness.loops import stop_loop_thread
 
 pytestmark = pytest.mark.netns
 
@@ -63,13 +64,7 @@ class ManyPortsOrigin:
             self.servers.append(await asyncio.start_server(self._handle, MANY_IP, port))
 
     def stop(self) -> None:
-        async def close() -> None:
-            for s in self.servers:
-                s.close()
-
-        asyncio.run_coroutine_threadsafe(close(), self.loop).result(10)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(5)
+        stop_loop_thread(self.loop, self.thread, self.servers)
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         with self.lock:
