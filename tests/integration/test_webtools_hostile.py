@@ -70,17 +70,8 @@ class DripOrigin:
         self.servers = [await asyncio.start_server(self._handle, ORIGIN, PLAIN),
                         await asyncio.start_server(self._handle, ORIGIN, TLS, ssl=self.server_ctx)]
 
-    def stop(self):
-        asyncio.run_coroutine_threadsafe(self._stop(), self.loop).result(10)
-        stop_loop_thread(self.loop, self.thread)
-
-    async def _stop(self):
-        for server in self.servers:
-            server.close()
-        drips = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
-        for task in drips:  # a drip the proxy still holds open would outlive the loop
-            task.cancel()
-        await asyncio.gather(*drips, return_exceptions=True)
+    def stop(self):  # a drip the proxy still holds open is cancelled, not left to outlive the loop
+        stop_loop_thread(self.loop, self.thread, self.servers)
 
     async def _drip(self, writer, data: bytes) -> None:
         for i in range(len(data)):
