@@ -22,14 +22,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from types import SimpleNamespace
 from typing import Any
 
-from mitmproxy import connection, hooks
+from mitmproxy import connection, hooks, http
 from mitmproxy.proxy import mode_specs
 from mitmproxy.proxy.server_hooks import ClientConnectedHook, ClientDisconnectedHook
-from mitmproxy.test import taddons, tflow
+from mitmproxy.test import taddons, tflow, tutils
 
 from sluice import connstate
 from sluice.addons import mitm_patches
@@ -242,3 +242,69 @@ class InProcess:
 
 def lines_of(lines: Iterable[dict], event: str) -> list[dict]:
     return [line for line in lines if line.get("event") == event]
+
+
+# ---- what the hook tests share ---------------------------------------------------------------
+
+
+def in_process(policy_text: str, dns: dict[str, list[str]] | None = None, *, client: bool = True,
+               **connect_args: Any) -> Callable[[Callable[..., Awaitable[None]]], Callable[[], None]]:
+    """A hook test's set-up: the decorated `async def test_...(p, client)` runs
+    under asyncio.run in a fresh InProcess(policy_text, dns) with one client
+    connected (`connect_args` go to `InProcess.connect`); `client=False`:
+    the body takes `p` alone and connects what it needs itself."""
+
+    def decorate(body: Callable[..., Awaitable[None]]) -> Callable[[], None]:
+        def test() -> None:
+            async def run() -> None:
+                async with InProcess(policy_text, dns) as p:
+                    if client:
+                        await body(p, await p.connect(**connect_args))
+                    else:
+                        await body(p)
+            asyncio.run(run())
+
+        # Not functools.wraps: pytest would follow __wrapped__ and take `p`
+        # and `client` for fixtures.
+        test.__name__, test.__qualname__ = body.__name__, body.__qualname__
+        test.__module__, test.__doc__ = body.__module__, body.__doc__
+        return test
+
+    return decorate
+
+
+def request_flow(client: connection.Client, host: str = "public.example", port: int = 80, method: bytes = b"GET",
+                 path: bytes = b"/", content: bytes = b"", **headers: str) -> http.HTTPFlow:
+    """An absolute-form request from `client` whose head has arrived: Host is
+    `host`, then `headers` (underscores for dashes), and nothing else."""
+    req = tutils.treq(method=method, host=host, port=port, scheme=b"http", authority=f"{host}:{port}".encode(),
+                      path=path, content=content)
+    req.headers.clear()
+    req.headers["Host"] = host
+    for name, value in headers.items():
+        req.headers[name.replace("_", "-")] = value
+    return tflow.tflow(client_conn=client, req=req)
+
+
+def connect_flow(client: connection.Client, host: str = "public.example", port: int = 443) -> http.HTTPFlow:
+    """`CONNECT host:port` from `client`, its server connection naming that address."""
+    flow = tflow.tflow(client_conn=client, req=tutils.treq(method=b"CONNECT", host=host, port=port, scheme=b"",
+                                                           authority=f"{host}:{port}".encode(), path=b""))
+    flow.server_conn.address = (host, port)
+    return flow
+
+
+def respond(flow: http.HTTPFlow, status: int = 200, **headers: str) -> None:
+    """The origin's response head (its body is still to come): `headers` and nothing else."""
+    flow.response = http.Response.make(status)
+    flow.response.headers.clear()
+    for name, value in headers.items():
+        flow.response.headers[name.replace("_", "-")] = value
+
+
+def answered(p: InProcess, client: connection.Client, status: int, reason: str) -> bool:
+    """The client got Sluice's raw refusal on its socket (and nothing else)."""
+    head = bytes(p.handler(client).socket.sent).split(b"\r\n\r\n", 1)[0]
+    assert head.startswith(f"HTTP/1.1 {status} ".encode()), head
+    assert f"\r\nSluice-Reason: {reason}\r\n".encode() in head and b"\r\nConnection: close" in head, head
+    return True

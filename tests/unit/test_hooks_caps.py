@@ -6,15 +6,12 @@ slept for. No proxy is spawned."""
 
 from __future__ import annotations
 
-import asyncio
-
-from mitmproxy import http
 from mitmproxy.proxy.layers.http import (HttpConnectHook, HttpErrorHook, HttpRequestHeadersHook,
                                          HttpResponseHeadersHook, HttpResponseHook)
 from mitmproxy.proxy.server_hooks import ServerConnectErrorHook, ServerConnectionHookData
-from mitmproxy.test import tflow, tutils
+from mitmproxy.test import tflow
 
-from harness.inprocess import InProcess, advance_loop, lines_of
+from harness.inprocess import advance_loop, answered, connect_flow, in_process, lines_of, request_flow, respond
 from sluice.addons.gate import tunnel_of
 from sluice.outcome import outcome_of
 
@@ -31,201 +28,137 @@ limits:
 DNS = {"public.example": ["8.8.8.8"]}
 
 
-def proxy() -> InProcess:
-    return InProcess(POLICY, DNS)
+@in_process(POLICY, DNS)
+async def test_a_request_body_declared_over_the_cap_is_refused_before_it_is_read(p, client):
+    flow = request_flow(client, method=b"POST", Content_Length="5000")
+    await p.hook(HttpRequestHeadersHook(flow))
+    assert outcome_of(flow).cap.reason.value == "request_too_large"
+    assert answered(p, client, 413, "request_too_large")
+    assert flow.error is not None  # killed: mitmproxy reads no body, dials nothing
+    await p.hook(HttpErrorHook(flow))
+    [line] = lines_of(p.lines, "request")
+    assert line["reason"] == "request_too_large" and line["status"] == 413
+    assert "5000 bytes, over this policy's 1000 bytes cap" in line["detail"]
 
 
-def exchange(client, method: bytes = b"GET", **headers: str):
-    req = tutils.treq(method=method, host="public.example", port=80, scheme=b"http",
-                      authority=b"public.example:80", path=b"/", content=b"")
-    req.headers.clear()
-    req.headers["Host"] = "public.example"
-    for name, value in headers.items():
-        req.headers[name.replace("_", "-")] = value
-    return tflow.tflow(client_conn=client, req=req)
+@in_process(POLICY, DNS)
+async def test_a_response_declared_over_the_cap_is_refused_at_its_headers(p, client):
+    flow = request_flow(client)
+    await p.hook(HttpRequestHeadersHook(flow))
+    respond(flow, Content_Length="2000")
+    await p.hook(HttpResponseHeadersHook(flow))
+    assert answered(p, client, 502, "response_too_large")
+    assert outcome_of(flow).cap.reason.value == "response_too_large"
 
 
-def respond(flow, **headers: str) -> None:
-    """The origin's response head (its body is still to come)."""
-    flow.response = http.Response.make(200)
-    flow.response.headers.clear()
-    for name, value in headers.items():
-        flow.response.headers[name.replace("_", "-")] = value
+@in_process(POLICY, DNS)
+async def test_a_streamed_response_is_cut_at_the_byte_the_cap_allows(p, client):
+    flow = request_flow(client)
+    await p.hook(HttpRequestHeadersHook(flow))
+    respond(flow, Transfer_Encoding="chunked")
+    await p.hook(HttpResponseHeadersHook(flow))
+    stream = flow.response.stream
+    assert callable(stream)  # counted chunk by chunk, never buffered whole
+    assert stream(b"a" * 600) == b"a" * 600
+    assert stream(b"b" * 600) == b"b" * 400  # the 1000th byte is the last to pass
+    assert outcome_of(flow).cap.reason.value == "response_too_large"
+    await advance_loop(0)  # the cut closes the connection just after the chunk
+    socket = p.handler(client).socket
+    assert socket.closed and bytes(socket.sent) == b""  # the response had started: closed, not answered
+    assert stream(b"c" * 10) == [] and stream(b"") == []  # nothing after, not even the final chunk
+    [line] = lines_of(p.lines, "request")
+    assert line["reason"] == "response_too_large" and line["bytes_in"] == 1000
 
 
-def answered(p: InProcess, client, status: int, reason: str) -> bool:
-    """The client got Sluice's raw refusal on its socket (and nothing else)."""
-    head = bytes(p.handler(client).socket.sent).split(b"\r\n\r\n", 1)[0]
-    assert head.startswith(f"HTTP/1.1 {status} ".encode()), head
-    assert f"\r\nSluice-Reason: {reason}\r\n".encode() in head and b"\r\nConnection: close" in head, head
-    return True
+@in_process(POLICY, DNS)
+async def test_a_response_under_the_cap_passes_whole(p, client):
+    flow = request_flow(client)
+    await p.hook(HttpRequestHeadersHook(flow))
+    respond(flow, Transfer_Encoding="chunked")
+    await p.hook(HttpResponseHeadersHook(flow))
+    assert flow.response.stream(b"a" * 1000) == b"a" * 1000
+    assert flow.response.stream(b"") == b""
+    await p.hook(HttpResponseHook(flow))
+    [line] = lines_of(p.lines, "request")
+    assert line["decision"] == "allow" and line["reason"] is None and line["bytes_in"] == 1000
+    assert not p.handler(client).socket.closed
 
 
-def test_a_request_body_declared_over_the_cap_is_refused_before_it_is_read():
-    async def run():
-        async with proxy() as p:
-            client = await p.connect()
-            flow = exchange(client, b"POST", Content_Length="5000")
-            await p.hook(HttpRequestHeadersHook(flow))
-            assert outcome_of(flow).cap.reason.value == "request_too_large"
-            assert answered(p, client, 413, "request_too_large")
-            assert flow.error is not None  # killed: mitmproxy reads no body, dials nothing
-            await p.hook(HttpErrorHook(flow))
-            [line] = lines_of(p.lines, "request")
-            assert line["reason"] == "request_too_large" and line["status"] == 413
-            assert "5000 bytes, over this policy's 1000 bytes cap" in line["detail"]
-    asyncio.run(run())
+@in_process(POLICY, DNS)
+async def test_an_exchange_over_its_request_timeout_is_answered_504(p, client):
+    flow = request_flow(client)
+    await p.hook(HttpRequestHeadersHook(flow))
+    await advance_loop(29)
+    assert outcome_of(flow).cap is None
+    await advance_loop(2)
+    assert answered(p, client, 504, "request_timeout")
+    [line] = lines_of(p.lines, "request")
+    assert line["reason"] == "request_timeout" and "30s request timeout" in line["detail"]
 
 
-def test_a_response_declared_over_the_cap_is_refused_at_its_headers():
-    async def run():
-        async with proxy() as p:
-            client = await p.connect()
-            flow = exchange(client)
-            await p.hook(HttpRequestHeadersHook(flow))
-            respond(flow, Content_Length="2000")
-            await p.hook(HttpResponseHeadersHook(flow))
-            assert answered(p, client, 502, "response_too_large")
-            assert outcome_of(flow).cap.reason.value == "response_too_large"
-    asyncio.run(run())
+@in_process(POLICY, DNS)
+async def test_a_finished_exchange_is_never_cut_by_its_timer(p, client):
+    flow = request_flow(client)
+    await p.hook(HttpRequestHeadersHook(flow))
+    respond(flow, Content_Length="0")
+    await p.hook(HttpResponseHeadersHook(flow))
+    await p.hook(HttpResponseHook(flow))
+    await advance_loop(31)
+    assert outcome_of(flow).cap is None and not p.handler(client).socket.closed
 
 
-def test_a_streamed_response_is_cut_at_the_byte_the_cap_allows():
-    async def run():
-        async with proxy() as p:
-            client = await p.connect()
-            flow = exchange(client)
-            await p.hook(HttpRequestHeadersHook(flow))
-            respond(flow, Transfer_Encoding="chunked")
-            await p.hook(HttpResponseHeadersHook(flow))
-            stream = flow.response.stream
-            assert callable(stream)  # counted chunk by chunk, never buffered whole
-            assert stream(b"a" * 600) == b"a" * 600
-            assert stream(b"b" * 600) == b"b" * 400  # the 1000th byte is the last to pass
-            assert outcome_of(flow).cap.reason.value == "response_too_large"
-            await advance_loop(0)  # the cut closes the connection just after the chunk
-            socket = p.handler(client).socket
-            assert socket.closed and bytes(socket.sent) == b""  # the response had started: closed, not answered
-            assert stream(b"c" * 10) == [] and stream(b"") == []  # nothing after, not even the final chunk
-            [line] = lines_of(p.lines, "request")
-            assert line["reason"] == "response_too_large" and line["bytes_in"] == 1000
-    asyncio.run(run())
 
 
-def test_a_response_under_the_cap_passes_whole():
-    async def run():
-        async with proxy() as p:
-            client = await p.connect()
-            flow = exchange(client)
-            await p.hook(HttpRequestHeadersHook(flow))
-            respond(flow, Transfer_Encoding="chunked")
-            await p.hook(HttpResponseHeadersHook(flow))
-            assert flow.response.stream(b"a" * 1000) == b"a" * 1000
-            assert flow.response.stream(b"") == b""
-            await p.hook(HttpResponseHook(flow))
-            [line] = lines_of(p.lines, "request")
-            assert line["decision"] == "allow" and line["reason"] is None and line["bytes_in"] == 1000
-            assert not p.handler(client).socket.closed
-    asyncio.run(run())
+@in_process(POLICY, DNS)
+async def test_a_tunnel_is_cut_at_tunnel_max_seconds_even_if_it_never_carried_a_byte(p, client):
+    flow = connect_flow(client)
+    await p.hook(HttpConnectHook(flow))
+    await advance_loop(59)
+    assert not p.handler(client).socket.closed
+    await advance_loop(2)
+    assert p.handler(client).socket.closed
+    [line] = lines_of(p.lines, "tunnel")
+    assert line["reason"] == "tunnel_timeout" and line["decision"] == "refuse"
+    assert "60s tunnel cap" in line["detail"]
 
 
-def test_an_exchange_over_its_request_timeout_is_answered_504():
-    async def run():
-        async with proxy() as p:
-            client = await p.connect()
-            flow = exchange(client)
-            await p.hook(HttpRequestHeadersHook(flow))
-            await advance_loop(29)
-            assert outcome_of(flow).cap is None
-            await advance_loop(2)
-            assert answered(p, client, 504, "request_timeout")
-            [line] = lines_of(p.lines, "request")
-            assert line["reason"] == "request_timeout" and "30s request timeout" in line["detail"]
-    asyncio.run(run())
+@in_process(POLICY, DNS)
+async def test_a_tunnels_meter_passes_bytes_up_to_tunnel_max_bytes_in_each_direction(p, client):
+    flow = connect_flow(client)
+    await p.hook(HttpConnectHook(flow))
+    [meter] = p.gate.dialer.meter_for(client, flow.server_conn)  # the caps' meter on its server socket
+    assert meter(True, 1000) == 1000  # the client's direction: at the cap, not over
+    assert meter(False, 600) == 600
+    assert meter(False, 600) == 400
+    await advance_loop(0)
+    tunnel = tunnel_of(client, flow.server_conn)
+    assert tunnel.cap.reason.value == "tunnel_too_large" and p.handler(client).socket.closed
+    assert meter(True, 1) == 0  # cut: nothing more either way
+    [line] = lines_of(p.lines, "tunnel")
+    assert (line["reason"], line["bytes_out"], line["bytes_in"]) == ("tunnel_too_large", 1000, 1000)
 
 
-def test_a_finished_exchange_is_never_cut_by_its_timer():
-    async def run():
-        async with proxy() as p:
-            client = await p.connect()
-            flow = exchange(client)
-            await p.hook(HttpRequestHeadersHook(flow))
-            respond(flow, Content_Length="0")
-            await p.hook(HttpResponseHeadersHook(flow))
-            await p.hook(HttpResponseHook(flow))
-            await advance_loop(31)
-            assert outcome_of(flow).cap is None and not p.handler(client).socket.closed
-    asyncio.run(run())
+@in_process(POLICY, DNS)
+async def test_a_dial_that_timed_out_answers_its_exchange_504_connect_timeout(p, client):
+    flow = request_flow(client)
+    await p.hook(HttpRequestHeadersHook(flow))
+    flow.server_conn.address = ("8.8.8.8", 80)
+    flow.server_conn.error = "connect_timeout: 8.8.8.8 did not accept a connection within 10s"
+    await p.hook(ServerConnectErrorHook(ServerConnectionHookData(server=flow.server_conn, client=client)))
+    flow.error = tflow.terr("Connection killed")
+    await p.hook(HttpErrorHook(flow))
+    assert answered(p, client, 504, "connect_timeout")
+    [line] = lines_of(p.lines, "request")
+    assert line["reason"] == "connect_timeout" and "within 10s" in line["detail"]
 
 
-def _tunnel(p: InProcess, client):
-    flow = tflow.tflow(client_conn=client, req=tutils.treq(method=b"CONNECT", host="public.example", port=443,
-                                                           scheme=b"", authority=b"public.example:443", path=b""))
-    flow.server_conn.address = ("public.example", 443)
-    return flow
-
-
-def test_a_tunnel_is_cut_at_tunnel_max_seconds_even_if_it_never_carried_a_byte():
-    async def run():
-        async with proxy() as p:
-            client = await p.connect()
-            flow = _tunnel(p, client)
-            await p.hook(HttpConnectHook(flow))
-            await advance_loop(59)
-            assert not p.handler(client).socket.closed
-            await advance_loop(2)
-            assert p.handler(client).socket.closed
-            [line] = lines_of(p.lines, "tunnel")
-            assert line["reason"] == "tunnel_timeout" and line["decision"] == "refuse"
-            assert "60s tunnel cap" in line["detail"]
-    asyncio.run(run())
-
-
-def test_a_tunnels_meter_passes_bytes_up_to_tunnel_max_bytes_in_each_direction():
-    async def run():
-        async with proxy() as p:
-            client = await p.connect()
-            flow = _tunnel(p, client)
-            await p.hook(HttpConnectHook(flow))
-            [meter] = p.gate.dialer.meter_for(client, flow.server_conn)  # the caps' meter on its server socket
-            assert meter(True, 1000) == 1000  # the client's direction: at the cap, not over
-            assert meter(False, 600) == 600
-            assert meter(False, 600) == 400
-            await advance_loop(0)
-            tunnel = tunnel_of(client, flow.server_conn)
-            assert tunnel.cap.reason.value == "tunnel_too_large" and p.handler(client).socket.closed
-            assert meter(True, 1) == 0  # cut: nothing more either way
-            [line] = lines_of(p.lines, "tunnel")
-            assert (line["reason"], line["bytes_out"], line["bytes_in"]) == ("tunnel_too_large", 1000, 1000)
-    asyncio.run(run())
-
-
-def test_a_dial_that_timed_out_answers_its_exchange_504_connect_timeout():
-    async def run():
-        async with proxy() as p:
-            client = await p.connect()
-            flow = exchange(client)
-            await p.hook(HttpRequestHeadersHook(flow))
-            flow.server_conn.address = ("8.8.8.8", 80)
-            flow.server_conn.error = "connect_timeout: 8.8.8.8 did not accept a connection within 10s"
-            await p.hook(ServerConnectErrorHook(ServerConnectionHookData(server=flow.server_conn, client=client)))
-            flow.error = tflow.terr("Connection killed")
-            await p.hook(HttpErrorHook(flow))
-            assert answered(p, client, 504, "connect_timeout")
-            [line] = lines_of(p.lines, "request")
-            assert line["reason"] == "connect_timeout" and "within 10s" in line["detail"]
-    asyncio.run(run())
-
-
-def test_a_connection_that_sends_no_head_within_header_timeout_of_accept_is_answered_408():
-    async def run():
-        async with proxy() as p:
-            idle = await p.connect(head=False)
-            busy = await p.connect(port=40001)  # its head arrived: that deadline is met
-            await advance_loop(11)
-            assert answered(p, idle, 408, "header_timeout") and p.handler(idle).socket.closed
-            assert not p.handler(busy).socket.closed
-            [line] = lines_of(p.lines, "connection")
-            assert line["reason"] == "header_timeout" and line["status"] == 408
-            assert "within this proxy's 10s of connecting" in line["detail"]
-    asyncio.run(run())
+@in_process(POLICY, DNS, client=False)
+async def test_a_connection_that_sends_no_head_within_header_timeout_of_accept_is_answered_408(p):
+    idle = await p.connect(head=False)
+    busy = await p.connect(port=40001)  # its head arrived: that deadline is met
+    await advance_loop(11)
+    assert answered(p, idle, 408, "header_timeout") and p.handler(idle).socket.closed
+    assert not p.handler(busy).socket.closed
+    [line] = lines_of(p.lines, "connection")
+    assert line["reason"] == "header_timeout" and line["status"] == 408
+    assert "within this proxy's 10s of connecting" in line["detail"]

@@ -6,7 +6,6 @@ No proxy is spawned."""
 
 from __future__ import annotations
 
-import asyncio
 import time
 
 from mitmproxy import connection, options
@@ -19,7 +18,7 @@ from mitmproxy.proxy.layers.http import HttpConnectHook, HttpRequestHeadersHook,
 from mitmproxy.proxy.server_hooks import ServerConnectHook, ServerConnectionHookData
 from mitmproxy.test import tflow, tutils
 
-from harness.inprocess import InProcess, lines_of, policy
+from harness.inprocess import InProcess, connect_flow, in_process, lines_of, policy, request_flow
 from harness.playbook import Placeholder, Playbook, reply
 from sluice import connstate
 from sluice.addons.gate import SOCKS5_NOT_ALLOWED, tunnel_of
@@ -34,158 +33,116 @@ DNS = {"public.example": ["8.8.8.8"], "seen.example": ["8.8.4.4"], "inside.examp
        "other.example": ["1.1.1.1"]}
 
 
-def proxy() -> InProcess:
-    return InProcess(POLICY, DNS)
+@in_process(POLICY, DNS)
+async def test_an_allowed_request_is_pinned_to_the_address_it_was_decided_with(p, client):
+    flow = request_flow(client, "public.example", path=b"/path?q=1")
+    await p.hook(HttpRequestHeadersHook(flow))
+    assert flow.response is None
+    assert flow.request.host == "8.8.8.8" and flow.request.host_header == "public.example"
+    assert flow.request.path == "/path?q=1"
+    assert p.gate.dialer.approved(client, "8.8.8.8", 80) is not None  # the one address its dial may reach
+    outcome = outcome_of(flow)
+    assert outcome.decision.allowed and outcome.decision.address == "8.8.8.8"
 
 
-def request(client, url_host: str, port: int = 80, method: bytes = b"GET", **headers: str):
-    req = tutils.treq(method=method, host=url_host, port=port, scheme=b"http", authority=f"{url_host}:{port}".encode(),
-                      path=b"/path?q=1")
-    req.headers.clear()
-    req.headers["Host"] = url_host
-    for name, value in headers.items():
-        req.headers[name.replace("_", "-")] = value
-    return tflow.tflow(client_conn=client, req=req)
+@in_process(POLICY, DNS)
+async def test_a_refusal_answers_with_its_reason_code_and_a_sentence_and_dials_nothing(p, client):
+    flow = request_flow(client, "inside.example")
+    await p.hook(HttpRequestHeadersHook(flow))
+    response = flow.response
+    assert response.status_code == 403
+    assert response.headers["Sluice-Reason"] == "dns_answer_not_public"
+    assert 'details="dns_answer_not_public"' in response.headers["Proxy-Status"]
+    text = response.get_text()
+    assert text.startswith("Sluice refused this request: inside.example resolves to 10.1.2.3")
+    assert "do not retry" in text
+    assert connstate.peek(client).approved == {}  # nothing approved: no dial can follow
+    await p.hook(HttpResponseHook(flow))
+    [line] = lines_of(p.lines, "request")
+    assert (line["decision"], line["reason"], line["status"], line["host"]) == (
+        "refuse", "dns_answer_not_public", 403, "inside.example")
 
 
-def connect(client, host: str, port: int = 443):
-    flow = tflow.tflow(client_conn=client, req=tutils.treq(method=b"CONNECT", host=host, port=port, scheme=b"",
-                                                           authority=f"{host}:{port}".encode(), path=b""))
-    flow.server_conn.address = (host, port)
-    return flow
+@in_process(POLICY, DNS)
+async def test_proxy_credentials_are_never_forwarded(p, client):
+    flow = request_flow(client, "public.example", Proxy_Authorization="Basic dXNlcjpwYXNz")
+    await p.hook(HttpRequestHeadersHook(flow))
+    assert flow.response is None and "Proxy-Authorization" not in flow.request.headers
 
 
-def test_an_allowed_request_is_pinned_to_the_address_it_was_decided_with():
-    async def run():
-        async with proxy() as p:
-            client = await p.connect()
-            flow = request(client, "public.example")
-            await p.hook(HttpRequestHeadersHook(flow))
-            assert flow.response is None
-            assert flow.request.host == "8.8.8.8" and flow.request.host_header == "public.example"
-            assert flow.request.path == "/path?q=1"
-            assert p.gate.dialer.approved(client, "8.8.8.8", 80) is not None  # the one address its dial may reach
-            outcome = outcome_of(flow)
-            assert outcome.decision.allowed and outcome.decision.address == "8.8.8.8"
-    asyncio.run(run())
+@in_process(POLICY, DNS)
+async def test_a_connect_is_pinned_its_tunnel_remembered_and_a_refused_one_opens_none(p, client):
+    flow = connect_flow(client, "public.example")
+    await p.hook(HttpConnectHook(flow))
+    assert flow.response is None and flow.request.host == "8.8.8.8"
+    tunnel = tunnel_of(client, flow.server_conn)
+    assert tunnel is not None and tunnel.host == "public.example" and not tunnel.intercept
+    refused = connect_flow(client, "public.example", 22)
+    await p.hook(HttpConnectHook(refused))
+    assert refused.response.status_code == 403
+    assert refused.response.headers["Sluice-Reason"] == "port_not_allowed"
+    assert tunnel_of(client, refused.server_conn) is None
+    assert p.gate.dialer.approved(client, "8.8.8.8", 22) is None
 
 
-def test_a_refusal_answers_with_its_reason_code_and_a_sentence_and_dials_nothing():
-    async def run():
-        async with proxy() as p:
-            client = await p.connect()
-            flow = request(client, "inside.example")
-            await p.hook(HttpRequestHeadersHook(flow))
-            response = flow.response
-            assert response.status_code == 403
-            assert response.headers["Sluice-Reason"] == "dns_answer_not_public"
-            assert 'details="dns_answer_not_public"' in response.headers["Proxy-Status"]
-            text = response.get_text()
-            assert text.startswith("Sluice refused this request: inside.example resolves to 10.1.2.3")
-            assert "do not retry" in text
-            assert connstate.peek(client).approved == {}  # nothing approved: no dial can follow
-            await p.hook(HttpResponseHook(flow))
-            [line] = lines_of(p.lines, "request")
-            assert (line["decision"], line["reason"], line["status"], line["host"]) == (
-                "refuse", "dns_answer_not_public", 403, "inside.example")
-    asyncio.run(run())
+@in_process(POLICY, DNS)
+async def test_inside_an_intercepted_tunnel_a_request_may_name_only_the_tunnels_host(p, client):
+    tunnel = connect_flow(client, "seen.example")
+    tunnel.server_conn.sni = None
+    await p.hook(HttpConnectHook(tunnel))
+    assert tunnel_of(client, tunnel.server_conn).intercept
+    assert tunnel.server_conn.sni == "seen.example"  # the origin is verified against the name, not the IP
+    client.sni = "seen.example"
+    for host_header, allowed in (("seen.example", True), ("other.example", False)):
+        inner = tflow.tflow(client_conn=client, server_conn=tunnel.server_conn,
+                            req=tutils.treq(method=b"GET", host="seen.example", port=443, scheme=b"https",
+                                            authority=b"", path=b"/"))
+        inner.request.host_header = host_header
+        await p.hook(HttpRequestHeadersHook(inner))
+        if allowed:
+            assert inner.response is None and inner.request.host == "8.8.4.4"
+        else:
+            assert inner.response.status_code == 403
+            assert inner.response.headers["Sluice-Reason"] == "host_mismatch"
 
 
-def test_proxy_credentials_are_never_forwarded():
-    async def run():
-        async with proxy() as p:
-            client = await p.connect()
-            flow = request(client, "public.example", Proxy_Authorization="Basic dXNlcjpwYXNz")
-            await p.hook(HttpRequestHeadersHook(flow))
-            assert flow.response is None and "Proxy-Authorization" not in flow.request.headers
-    asyncio.run(run())
+@in_process(POLICY, DNS, mode="socks5")
+async def test_a_socks5_dial_by_name_is_resolved_and_pinned_and_a_refused_one_gets_rep_2(p, client):
+    server = connection.Server(address=("public.example", 443))
+    await p.hook(ServerConnectHook(ServerConnectionHookData(server=server, client=client)))
+    assert server.error is None and server.address == ("8.8.8.8", 443)
+    assert tunnel_of(client, server) is not None
+    other = await p.connect(mode="socks5", port=40001)
+    refused = connection.Server(address=("inside.example", 443))
+    await p.hook(ServerConnectHook(ServerConnectionHookData(server=refused, client=other)))
+    assert refused.error.startswith("dns_answer_not_public: ")
+    assert refused.address == ("inside.example", 443)  # never pinned, never dialled
+    socket = p.handler(other).socket
+    assert bytes(socket.sent) == SOCKS5_NOT_ALLOWED and socket.closed  # "not allowed by ruleset"
+    [line] = [line for line in p.lines if line["reason"] == "dns_answer_not_public"]
+    assert line["host"] == "inside.example" and line["decision"] == "refuse"
 
 
-def test_a_connect_is_pinned_its_tunnel_remembered_and_a_refused_one_opens_none():
-    async def run():
-        async with proxy() as p:
-            client = await p.connect()
-            flow = connect(client, "public.example")
-            await p.hook(HttpConnectHook(flow))
-            assert flow.response is None and flow.request.host == "8.8.8.8"
-            tunnel = tunnel_of(client, flow.server_conn)
-            assert tunnel is not None and tunnel.host == "public.example" and not tunnel.intercept
-            refused = connect(client, "public.example", 22)
-            await p.hook(HttpConnectHook(refused))
-            assert refused.response.status_code == 403
-            assert refused.response.headers["Sluice-Reason"] == "port_not_allowed"
-            assert tunnel_of(client, refused.server_conn) is None
-            assert p.gate.dialer.approved(client, "8.8.8.8", 22) is None
-    asyncio.run(run())
-
-
-def test_inside_an_intercepted_tunnel_a_request_may_name_only_the_tunnels_host():
-    async def run():
-        async with proxy() as p:
-            client = await p.connect()
-            tunnel = connect(client, "seen.example")
-            tunnel.server_conn.sni = None
-            await p.hook(HttpConnectHook(tunnel))
-            assert tunnel_of(client, tunnel.server_conn).intercept
-            assert tunnel.server_conn.sni == "seen.example"  # the origin is verified against the name, not the IP
-            client.sni = "seen.example"
-            for host_header, allowed in (("seen.example", True), ("other.example", False)):
-                inner = tflow.tflow(client_conn=client, server_conn=tunnel.server_conn,
-                                    req=tutils.treq(method=b"GET", host="seen.example", port=443, scheme=b"https",
-                                                    authority=b"", path=b"/"))
-                inner.request.host_header = host_header
-                await p.hook(HttpRequestHeadersHook(inner))
-                if allowed:
-                    assert inner.response is None and inner.request.host == "8.8.4.4"
-                else:
-                    assert inner.response.status_code == 403
-                    assert inner.response.headers["Sluice-Reason"] == "host_mismatch"
-    asyncio.run(run())
-
-
-def test_a_socks5_dial_by_name_is_resolved_and_pinned_and_a_refused_one_gets_rep_2():
-    async def run():
-        async with proxy() as p:
-            client = await p.connect(mode="socks5")
-            server = connection.Server(address=("public.example", 443))
-            await p.hook(ServerConnectHook(ServerConnectionHookData(server=server, client=client)))
-            assert server.error is None and server.address == ("8.8.8.8", 443)
-            assert tunnel_of(client, server) is not None
-            other = await p.connect(mode="socks5", port=40001)
-            refused = connection.Server(address=("inside.example", 443))
-            await p.hook(ServerConnectHook(ServerConnectionHookData(server=refused, client=other)))
-            assert refused.error.startswith("dns_answer_not_public: ")
-            assert refused.address == ("inside.example", 443)  # never pinned, never dialled
-            socket = p.handler(other).socket
-            assert bytes(socket.sent) == SOCKS5_NOT_ALLOWED and socket.closed  # "not allowed by ruleset"
-            [line] = [line for line in p.lines if line["reason"] == "dns_answer_not_public"]
-            assert line["host"] == "inside.example" and line["decision"] == "refuse"
-    asyncio.run(run())
-
-
-def test_a_reload_that_refuses_an_open_tunnel_cuts_it_tunnel_revoked():
-    async def run():
-        async with proxy() as p:
-            client = await p.connect()
-            flow = connect(client, "public.example")
-            await p.hook(HttpConnectHook(flow))
-            kept = await p.connect(port=40001)
-            other = connect(kept, "other.example")
-            await p.hook(HttpConnectHook(other))
-            p.source.reload(policy(POLICY + "deny: [public.example]\n"))
-            assert p.handler(client).socket.closed and not p.handler(kept).socket.closed
-            [line] = lines_of(p.lines, "tunnel")
-            assert line["reason"] == "tunnel_revoked" and line["host"] == "public.example"
-            assert "host_denied" in line["detail"]
-            assert tunnel_of(kept, other.server_conn).cap is None
-    asyncio.run(run())
+@in_process(POLICY, DNS)
+async def test_a_reload_that_refuses_an_open_tunnel_cuts_it_tunnel_revoked(p, client):
+    flow = connect_flow(client, "public.example")
+    await p.hook(HttpConnectHook(flow))
+    kept = await p.connect(port=40001)
+    other = connect_flow(kept, "other.example")
+    await p.hook(HttpConnectHook(other))
+    p.source.reload(policy(POLICY + "deny: [public.example]\n"))
+    assert p.handler(client).socket.closed and not p.handler(kept).socket.closed
+    [line] = lines_of(p.lines, "tunnel")
+    assert line["reason"] == "tunnel_revoked" and line["host"] == "public.example"
+    assert "host_denied" in line["detail"]
+    assert tunnel_of(kept, other.server_conn).cap is None
 
 
 def test_tls_spoken_to_the_proxy_itself_is_refused_at_the_front_door():
     """The front door's layer choice, driven through mitmproxy's own HttpProxy
     and NextLayer layers: a TLS ClientHello to the proxy port closes the
     connection, with one audit line, before any TLS layer runs."""
-    p = proxy()
+    p = InProcess(POLICY, DNS)
     opts = options.Options()
     Proxyserver().load(opts)
     client = connection.Client(peername=("192.0.2.1", 40000), sockname=("127.0.0.1", 8080),
@@ -208,7 +165,7 @@ def test_tls_spoken_to_the_proxy_itself_is_refused_at_the_front_door():
 
 
 def test_plain_http_at_the_front_door_is_left_to_mitmproxys_http_layer():
-    p = proxy()
+    p = InProcess(POLICY, DNS)
     opts = options.Options()
     Proxyserver().load(opts)
     client = connection.Client(peername=("192.0.2.1", 40000), sockname=("127.0.0.1", 8080),
