@@ -13,6 +13,10 @@ What stands in for the rest of the proxy:
 - mitmproxy's proxyserver: `connect()` gives each client connection a fake
   connection handler whose client socket records what is written to it and
   whether it was closed (addons/connections.py reaches them by client id);
+  `dial()` runs mitmproxy's own (Sluice-patched) open_connection on it;
+- the network: the event loop's `create_connection` is a `FakeNetwork`
+  (`network`), so a dial reaches Sluice's dialer and stops there: nothing
+  leaves the process, and each address can accept, hang or refuse;
 - time: quotas take `clock` (a `Clock`); the event loop's timers (request
   and tunnel deadlines, the drain's wait) are advanced with
   `advance_loop(loop, seconds)`, never slept for.
@@ -21,14 +25,17 @@ What stands in for the rest of the proxy:
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
+from collections import defaultdict
 from collections.abc import Awaitable, Callable, Iterable
 from types import SimpleNamespace
 from typing import Any
 
 from mitmproxy import connection, hooks, http
-from mitmproxy.proxy import mode_specs
-from mitmproxy.proxy.server_hooks import ClientConnectedHook, ClientDisconnectedHook
+from mitmproxy.proxy import commands, events, mode_specs
+from mitmproxy.proxy import server as server_layer
+from mitmproxy.proxy.server_hooks import ClientConnectedHook, ClientDisconnectedHook, ServerConnectHook
 from mitmproxy.test import taddons, tflow, tutils
 
 from sluice import connstate
@@ -92,20 +99,178 @@ class ClientSocket:
 
 
 class FakeHandler:
-    """What addons/connections.py reaches for one client connection: its transports, its close, its watchdog."""
+    """What addons/connections.py reaches for one client connection: its
+    transports, its close, its watchdog; and, for `dial`, what mitmproxy's
+    own `ConnectionHandler.open_connection` uses of its handler."""
 
-    def __init__(self, client: connection.Client) -> None:
+    layer = None  # no layer stack: addons/connections.idle_http1_servers finds no idle upstream
+
+    def __init__(self, client: connection.Client, hook: Callable[[hooks.Hook], Awaitable[None]] | None = None) -> None:
         self.client = client
         self.socket = ClientSocket()
         self.transports: dict[Any, Any] = {client: SimpleNamespace(writer=self.socket, handler=object())}
         self.closed: list[Any] = []
         self.timeout_watchdog = SimpleNamespace(timeout=None)
+        self._hook = hook
+        # What open_connection reads and writes on its handler:
+        self.max_conns: defaultdict[Any, asyncio.Semaphore] = defaultdict(lambda: asyncio.Semaphore(5))
+        self.logs: list[str] = []
+        self.completed: dict[Any, str | None] = {}  # server -> its OpenConnectionCompleted error (None: connected)
+        self.between: Callable[[Any], Awaitable[None]] | None = None
+        self._done: dict[Any, asyncio.Event] = {}
+        self._hung_up: dict[Any, asyncio.Event] = {}
+        self._tasks: list[asyncio.Task[None]] = []
 
     def close_connection(self, conn: Any) -> None:
         self.closed.append(conn)
         io = self.transports.get(conn)
         if io is not None and io.writer is not None:
             io.writer.close()
+        if conn in self._hung_up:
+            self._hung_up[conn].set()
+
+    # ---- mitmproxy's dial, with this handler as its `self` -------------------
+
+    async def dial(self, server: connection.Server) -> str | None:
+        """Open `server` the way mitmproxy does: its own (Sluice-patched)
+        `ConnectionHandler.open_connection`, so the server_connect hooks run
+        through the addons, then the dial goes through Sluice's dialer to
+        the loop's `FakeNetwork`. Returns its error once the open completed
+        (None: connected); a connected server stays open, its handler task
+        running, until `close_connection(server)` or the test ends.
+        `between`, if set, runs after the server_connect hooks and before
+        the connect (what mitmproxy or an addon may do in between)."""
+        self._done[server] = asyncio.Event()
+        self._hung_up[server] = asyncio.Event()
+        task = asyncio.ensure_future(server_layer.ConnectionHandler.open_connection(
+            self, commands.OpenConnection(server)))  # type: ignore[arg-type]
+        self._tasks.append(task)
+        done = asyncio.ensure_future(self._done[server].wait())
+        await asyncio.wait([task, done], return_when=asyncio.FIRST_COMPLETED)
+        done.cancel()
+        if task.done() and not self._done[server].is_set():
+            task.result()  # it raised: an addon failed (the test fails with it)
+        return self.completed[server]
+
+    async def handle_hook(self, hook: hooks.Hook) -> None:
+        if self._hook is not None:
+            await self._hook(hook)
+        if isinstance(hook, ServerConnectHook) and self.between is not None:
+            await self.between(hook.data.server)
+
+    def log(self, message: str, level: int = logging.INFO) -> None:
+        self.logs.append(message)
+
+    async def server_event(self, event: events.Event) -> None:
+        if isinstance(event, events.OpenConnectionCompleted):
+            server = event.command.connection
+            self.completed[server] = event.reply
+            self._done[server].set()
+
+    async def handle_connection(self, conn: Any) -> None:
+        await self._hung_up[conn].wait()  # until closed: then open_connection's finally runs server_disconnected
+
+    async def finish(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+class FakeTransport(asyncio.Transport):
+    """One accepted connection of the FakeNetwork: what was written to it,
+    whether it was aborted; `reply`, if any, answers the first write."""
+
+    def __init__(self, protocol: asyncio.BaseProtocol, peername: tuple[str, int], reply: bytes | None) -> None:
+        super().__init__()
+        self.protocol = protocol
+        self.peername = peername
+        self.reply = reply
+        self.sent = bytearray()
+        self.closing = self.aborted = False
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        return {"peername": self.peername, "sockname": ("192.0.2.1", 50000)}.get(name, default)
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        assert not self.closing, "wrote to a closed upstream connection"
+        self.sent += data
+        if self.reply is not None:
+            reply, self.reply = self.reply, None
+            asyncio.get_running_loop().call_soon(self.protocol.data_received, reply)  # type: ignore[attr-defined]
+
+    def is_closing(self) -> bool:
+        return self.closing
+
+    def close(self) -> None:
+        if not self.closing:
+            self.closing = True
+            asyncio.get_running_loop().call_soon(self.protocol.connection_lost, None)
+
+    def abort(self) -> None:
+        self.aborted = True
+        self.close()
+
+    def can_write_eof(self) -> bool:
+        return False
+
+    def get_write_buffer_size(self) -> int:
+        return 0
+
+    def pause_reading(self) -> None:
+        pass
+
+    def resume_reading(self) -> None:
+        pass
+
+
+class Accept:
+    """The FakeNetwork's answer for an address: the connection is accepted,
+    its peer `peer` (default: the address dialled), its first write answered
+    with `reply`."""
+
+    def __init__(self, peer: tuple[str, int] | None = None, reply: bytes | None = None) -> None:
+        self.peer, self.reply = peer, reply
+
+
+BLACKHOLE = "blackhole"  # never answers: the connect waits until it is given up
+REFUSE = "refuse"  # ECONNREFUSED
+
+
+class FakeNetwork:
+    """Every connection an in-process test opens, instead of a socket: the
+    running loop's `create_connection` (what asyncio.open_connection calls)
+    is this, so nothing reaches a network, loopback included. `answers`
+    says what each (host, port) does (default: Accept()); `dialled` and
+    `transports` record, in order, what was dialled and what it got."""
+
+    def __init__(self) -> None:
+        self.answers: dict[tuple[str, int], Accept | str] = {}
+        self.dialled: list[tuple[str, int]] = []
+        self.transports: list[FakeTransport] = []
+        self._dialling: asyncio.Future[None] | None = None
+
+    async def reached(self, count: int = 1) -> None:
+        """Until `count` connects have begun (a dial got past its checks)."""
+        while len(self.dialled) < count:
+            self._dialling = asyncio.get_running_loop().create_future()
+            await self._dialling
+
+    async def create_connection(self, protocol_factory: Callable[[], asyncio.BaseProtocol], host: str, port: int,
+                                **kwargs: Any) -> tuple[FakeTransport, asyncio.BaseProtocol]:
+        self.dialled.append((host, port))
+        if self._dialling is not None and not self._dialling.done():
+            self._dialling.set_result(None)
+        answer = self.answers.get((host, port), Accept())
+        if answer == BLACKHOLE:
+            await asyncio.Future()  # cancelled by the dial's timeout
+        if answer == REFUSE:
+            raise ConnectionRefusedError(errno.ECONNREFUSED, f"Connect call failed ('{host}', {port})")
+        assert isinstance(answer, Accept)
+        protocol = protocol_factory()
+        transport = FakeTransport(protocol, answer.peer or (host, port), answer.reply)
+        self.transports.append(transport)
+        protocol.connection_made(transport)
+        return transport, protocol
 
 
 class FakeProxyserver:
@@ -185,13 +350,19 @@ class InProcess:
         self._context = taddons.context(*self.addons())
         self._context.__enter__()
         self.master = self._context.master
+        self.network = FakeNetwork()
+        self._loop = asyncio.get_running_loop()
+        self._loop.create_connection = self.network.create_connection  # type: ignore[method-assign,assignment]
         return self
 
     async def __aexit__(self, *exc: object) -> None:
         try:
+            for handler in list(self.proxyserver.connections.values()):
+                await handler.finish()
             for client in self._clients:
                 connstate.pop(client)  # nothing a test left reaches the next one
         finally:
+            del self._loop.create_connection  # the loop's own again
             self._context.__exit__(None, None, None)
             logging.getLogger("mitmproxy.addonmanager").removeHandler(self._errors)
             for name, value in self._saved.items():
@@ -218,7 +389,7 @@ class InProcess:
         client.sni = None
         client.tls = False
         client.alpn = None
-        self.proxyserver.connections[client.id] = FakeHandler(client)
+        self.proxyserver.connections[client.id] = FakeHandler(client, self.hook)
         self._clients.append(client)
         await self.hook(ClientConnectedHook(client))
         if head:
@@ -231,6 +402,10 @@ class InProcess:
 
     def handler(self, client: connection.Client) -> FakeHandler:
         return self.proxyserver.connections[client.id]
+
+    async def dial(self, client: connection.Client, server: connection.Server) -> str | None:
+        """`client`'s handler opens `server` as mitmproxy would (FakeHandler.dial)."""
+        return await self.handler(client).dial(server)
 
     def reasons(self, event: str | None = None) -> list[str | None]:
         return [line.get("reason") for line in self.lines if event is None or line.get("event") == event]
