@@ -15,9 +15,10 @@
                                cProfile: 16-connection load, a tunnel download, CONNECT
                                setups; where the time goes (inside the namespace;
                                --only connect for that one)
-    python -m bench --only connect --baseline-tree DIR
-                               also run DIR's Sluice (another checkout) in the same
-                               CONNECT rounds: a same-round A/B against older code
+    python -m bench --only connect --baseline-tree DIR|COMMIT
+                               also run another checkout's Sluice, or a commit's
+                               (exported to the run's temp dir), in the same CONNECT
+                               rounds: a same-round A/B against older code
 """
 
 from __future__ import annotations
@@ -55,9 +56,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="run: only these phases, comma-separated (micro, idle, http, connect, store, tunnel, "
                         "extraction); "
                         "profile: only these scenarios (http, tunnel, connect)")
-    p.add_argument("--baseline-tree", type=Path, default=None, metavar="DIR",
-                   help="run: also run the Sluice of this other checkout (e.g. a git worktree of an older "
-                        "commit) in the CONNECT rounds, beside the current code")
+    p.add_argument("--baseline-tree", default=None, metavar="DIR|COMMIT",
+                   help="run: also run the Sluice of this other checkout, or of this commit of this repository, "
+                        "in the CONNECT rounds, beside the current code (it prints which file each side imports)")
     args = p.parse_args(argv)
 
     if args.command == "deps":
@@ -79,15 +80,12 @@ def main(argv: list[str] | None = None) -> int:
         return profile.main(args.seconds, args.only)
 
     from bench import report, run
+    from bench.baseline import BaselineError
 
     try:
-        if args.baseline_tree is not None and not (args.baseline_tree / "sluice" / "cli.py").is_file():
-            print(f"bench: {args.baseline_tree} is not a Sluice checkout", file=sys.stderr)
-            return 2
-        results = run.run(run.Settings(quick=args.quick, only=args.only,
-                                       baseline_tree=str(args.baseline_tree) if args.baseline_tree else None),
+        results = run.run(run.Settings(quick=args.quick, only=args.only, baseline_tree=args.baseline_tree),
                           log=lambda m: print(m, file=sys.stderr, flush=True))
-    except run.NotInNamespace as e:
+    except (run.NotInNamespace, BaselineError) as e:
         print(f"bench: {e}", file=sys.stderr)
         return 2
     except RuntimeError as e:

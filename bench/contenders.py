@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from bench import procs
+from bench.baseline import Baseline
 from bench.origin import HOST as ORIGIN_IP
 
 LISTEN = "127.0.0.1"
@@ -41,6 +42,7 @@ class Contender:
     workers: int = 1  # > 1: `sluice proxy --workers N`, a supervisor and N worker processes
     pinned: bool = True  # pinned to the proxy core; False: allowed every CPU (shared with the load side)
     tree: Path | None = None  # another checkout whose Sluice code this contender runs (--baseline-tree)
+    import_root: Path | None = None  # with `tree`: its code in the installed layout (bench/baseline.py)
 
     @property
     def proxy(self) -> tuple[str, int] | None:
@@ -91,16 +93,13 @@ def all_contenders() -> list[Contender]:
     ]
 
 
-def baseline_contender(tree: Path) -> Contender:
-    """Sluice from another checkout (e.g. `git worktree add /tmp/sluice-base
-    ec922c8`), run with this venv and PYTHONPATH pointing at that tree, in
-    the same CONNECT rounds as the current code: a same-round A/B."""
-    try:
-        commit = procs.run(["git", "-C", str(tree), "rev-parse", "--short", "HEAD"], timeout=10).stdout.strip()
-    except (OSError, subprocess.TimeoutExpired):
-        commit = ""
-    label = f"Sluice at {commit or tree} (baseline tree {tree}), default policy"
-    return Contender("sluice-baseline", label, 18087, frozenset({"connect"}), tree=tree)
+def baseline_contender(baseline: Baseline) -> Contender:
+    """Sluice from another checkout or commit (bench/baseline.py), run with
+    this venv and its own import root, in the same CONNECT rounds as the
+    current code: a same-round A/B."""
+    label = f"Sluice at {baseline.label} (baseline tree {baseline.tree}), default policy"
+    return Contender("sluice-baseline", label, 18087, frozenset({"connect"}), tree=baseline.tree,
+                     import_root=baseline.import_root)
 
 
 # ---- name resolution for the proxies that use the system resolver ----------
@@ -198,10 +197,11 @@ def _start_sluice(c: Contender, root: Path, policy: Path) -> None:
         # baseline tree may predate --admin.
         argv += ["--admin", f"{LISTEN}:{c.port + 1000}"]
     env = None
-    if c.tree is not None:
-        # Its sluice, addons and policy packages first; -P: not the current
-        # directory's (this checkout's), which `-m` would otherwise put first.
-        env = dict(os.environ, PYTHONPATH=str(c.tree))
+    if c.import_root is not None:
+        # Its sluice, addons and policy packages first, in the installed
+        # layout (bench/baseline.py); -P: not the current directory's (this
+        # checkout's), which `-m` would otherwise put first.
+        env = dict(os.environ, PYTHONPATH=str(c.import_root))
         argv = [sys.executable, "-P", "-m", "sluice.cli"] + argv[1:]
     elif not exe.exists():
         argv = [sys.executable, "-m", "sluice.cli"] + argv[1:]

@@ -25,8 +25,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from bench import baseline, connects, load, micro, origin, policies, procs
 from bench import contenders as C
-from bench import connects, load, micro, origin, policies, procs
 from bench import store as shared_store
 from bench.fakedns import FakeDNS
 
@@ -87,6 +87,7 @@ class Settings:
 
 
 # What `--only` may name; a full run does them all, in this order.
+REPO = Path(__file__).resolve().parents[1]  # the checkout this bench runs from (--baseline-tree COMMIT is its)
 PHASES = ("micro", "idle", "http", "connect", "store", "tunnel", "extraction")
 
 
@@ -219,9 +220,10 @@ def run(settings: Settings, log=print) -> dict:
             if redis is None:
                 everyone = [c for c in everyone if c.key != STORE_KEY]
         if settings.baseline_tree and "connect" in phases:
-            tree = Path(settings.baseline_tree).resolve()
-            policy_files["baseline"] = policies.write_baseline(root, tree)
-            everyone.insert([c.key for c in everyone].index("sluice") + 1, C.baseline_contender(tree))
+            base = baseline.prepare(settings.baseline_tree, REPO, root)
+            baseline.verify(base, log)  # says which file each side imports; refuses a mix of the two trees
+            policy_files["baseline"] = policies.write_baseline(root, base.tree)
+            everyone.insert([c.key for c in everyone].index("sluice") + 1, C.baseline_contender(base))
         try:
             try:
                 dns.start()
