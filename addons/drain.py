@@ -23,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import sys
-import time
 from collections.abc import Callable
 
 from mitmproxy import ctx, http
@@ -85,7 +84,10 @@ class Drain:
             self._now.set()
 
     async def _drain(self) -> None:
-        started = time.monotonic()
+        # The event loop's clock, which its waits run on too (monotonic; a
+        # test moves it on instead of sleeping through the drain timeout).
+        loop = asyncio.get_running_loop()
+        started = loop.time()
         try:
             if self.on_drain is not None:
                 self.on_drain()
@@ -99,7 +101,7 @@ class Drain:
             print(f"sluice: stopping: no new connections; waiting up to {self.timeout:g}s for {waiting} "
                   f"exchange(s) and tunnel(s) in flight (signal again to stop at once)", file=sys.stderr, flush=True)
             deadline = started + self.timeout
-            while self.in_flight() and time.monotonic() < deadline and not self._now.is_set():
+            while self.in_flight() and loop.time() < deadline and not self._now.is_set():
                 try:
                     await asyncio.wait_for(self._now.wait(), timeout=POLL_SECONDS)
                 except TimeoutError:
@@ -108,7 +110,7 @@ class Drain:
             for handler in list(proxyserver.connections.values()):
                 connections.close_client(handler.client)
             await asyncio.sleep(0)  # let the closed connections' hooks run
-            print(f"sluice: stopped after {time.monotonic() - started:.1f}s ({cut} cut by shutdown)",
+            print(f"sluice: stopped after {loop.time() - started:.1f}s ({cut} cut by shutdown)",
                   file=sys.stderr, flush=True)
         except Exception:
             logger.exception("sluice: the drain failed; stopping")
