@@ -38,6 +38,8 @@ import tempfile
 import threading
 import time
 
+from sluice.cli import EXIT_USAGE
+
 REUSE_PORT_ENV = "SLUICE_REUSE_PORT"
 
 
@@ -242,9 +244,18 @@ def _supervise(count: int, worker_args: list[str], drain_timeout: float, directo
     ready = threading.Semaphore(0)
     first_ready: list[str] = []
     cut: list[int] = []
+    # Before the proxy is ready every worker reports the same start-up problem
+    # (a bad policy, a port in use): say each line once, not once per worker.
+    said_at_start: set[str] = set()
+    said_lock = threading.Lock()
 
     def relay(child: subprocess.Popen) -> None:
         for line in child.stderr:
+            if not state["announced"] and not line.startswith("sluice: ready"):
+                with said_lock:
+                    if line in said_at_start:
+                        continue
+                    said_at_start.add(line)
             if line.startswith("sluice: ready") and not getattr(child, "_ready", False):
                 child._ready = True  # type: ignore[attr-defined]
                 first_ready.append(line.strip())
@@ -332,4 +343,6 @@ def _supervise(count: int, worker_args: list[str], drain_timeout: float, directo
         print(f"sluice: stopped after {elapsed:.1f}s ({sum(cut)} cut by shutdown) [{count} workers]", file=sys.stderr,
               flush=True)
     codes = [c.returncode for c in children]
+    if not state["announced"] and not signals[0] and EXIT_USAGE in codes:
+        return EXIT_USAGE  # a usage problem at start (bad policy, bad flag) exits as it does without --workers
     return 0 if stopping.is_set() and not failed and all(code in (0, -signal.SIGTERM) for code in codes) else 1

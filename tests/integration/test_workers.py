@@ -62,3 +62,24 @@ def test_workers_need_a_fixed_port():
     from sluice.cli import main
 
     assert main(["proxy", "--listen", "127.0.0.1:0", "--workers", "2"]) == 2
+
+
+def test_a_bad_policy_at_start_is_said_once_and_exits_2(tmp_path):
+    """Every worker meets the same bad policy: the supervisor says it once
+    and exits 2, as `sluice proxy` does without --workers (it printed the
+    problem once per worker and exited 1)."""
+    import socket
+    import subprocess
+    import sys
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("version: 1\nallow: [\n")
+    with socket.socket() as s:  # a free port: the workers need a fixed one
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    done = subprocess.run([sys.executable, "-m", "sluice.cli", "proxy", "--policy", str(bad),
+                           "--listen", f"127.0.0.1:{port}", "--workers", "3"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2, (done.returncode, done.stderr)
+    assert done.stderr.count("invalid policy:") == 1, done.stderr
+    assert done.stderr.count("YAML syntax") == 1, done.stderr
