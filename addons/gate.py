@@ -16,12 +16,12 @@
   checked against the live policy, with the tunnel's host as the only host it
   may name in Host, `:authority`, SNI or the request target (else
   `host_mismatch`). Bytes inside an intercepted tunnel that are not HTTP are
-  never passed raw.
+  never passed raw (which layers carry a tunnel: addons/layer_choice.py).
 - The front door speaks plain HTTP/1 (and SOCKS5 on its own port): a client
   that talks TLS (and so HTTP/2) to the proxy itself is refused
   (`client_protocol_refused`), so one client connection never multiplexes
   streams onto one shared upstream object and TLS to the proxy never implies
-  interception.
+  interception (refused by addons/layer_choice.py, before any TLS layer).
 - Every dial goes through one dialer (sluice/dialer.py, reached from
   mitmproxy's connect by addons/mitm_patches.py `dial_check`): only an IP
   address this gate approved for the client connection may be dialled, never
@@ -42,10 +42,8 @@ from __future__ import annotations
 import logging
 
 from mitmproxy import connection, http
-from mitmproxy.net import tls as mitm_tls
-from mitmproxy.proxy import commands, events, layer, layers, mode_specs
+from mitmproxy.proxy import mode_specs
 from mitmproxy.proxy.layers import modes
-from mitmproxy.proxy.layers.http import HTTPMode
 from mitmproxy.proxy.server_hooks import ServerConnectionHookData
 
 from sluice import connstate
@@ -64,7 +62,6 @@ from sluice.admission import (
     readmit_tunnel, tunnel_client,
 )
 from sluice.dialer import Dialer, pinned_ip
-from sluice.splice import SplicedTunnel
 from sluice.policy.approvals import Verdict
 from sluice.policy.clients import ClientIdentity, ClientMatch
 from sluice.resolver import NameResolver
@@ -349,57 +346,6 @@ class EgressGate:
     # client_disconnected: addons/conn_release.py releases the approvals and
     # the tunnels (writing each tunnel's line) with the rest of the ConnState.
 
-    # ---- what runs inside a tunnel ---------------------------------------
-
-    def next_layer(self, nextlayer: layer.NextLayer) -> None:
-        """What runs on a client connection and inside each tunnel:
-        - the front door (nothing below but the HTTP proxy mode) is plain
-          HTTP/1; TLS to the proxy itself is refused;
-        - a tunnel the policy does not intercept is raw TCP, never decrypted;
-        - an intercepted tunnel is TLS (mitmproxy's choice) and then HTTP,
-          never raw, whatever its first bytes look like."""
-        context = nextlayer.context
-        if context.client.transport_protocol != "tcp":
-            return
-        # An addon that decided before us (mitmproxy's own NextLayer) has
-        # already pushed its layers onto the stack; look at the stack below them.
-        stack = context.layers
-        cut = stack.index(nextlayer.layer) if nextlayer.layer is not None and nextlayer.layer in stack else len(stack)
-        below = stack[:cut]
-        if not below:
-            return
-        if len(below) == 1 and isinstance(below[0], (modes.HttpProxy, modes.HttpUpstreamProxy, modes.ReverseProxy)):
-            first = nextlayer.data_client()
-            if first[:1] == b"\x16" or mitm_tls.starts_like_tls_record(first):
-                del stack[cut:]
-                nextlayer.layer = _RefuseClient(context)
-                self.audit.write(
-                    event="connection", client=peer(context.client), decision="refuse",
-                    reason=Reason.CLIENT_PROTOCOL_REFUSED.value,
-                    detail="the client spoke TLS to the proxy itself; Sluice's proxy port is plain HTTP "
-                           "(set HTTP_PROXY/HTTPS_PROXY to http://host:port; HTTPS still goes through CONNECT)",
-                )
-            return  # the proxy's own HTTP front door: plain HTTP/1
-        tunnel = tunnel_of(context.client, context.server)
-        if tunnel is not None and tunnel.intercept:
-            chosen = nextlayer.layer
-            if chosen is None or isinstance(chosen, (layers.ServerTLSLayer, layers.ClientTLSLayer, layers.HttpLayer)):
-                return  # TLS interception, then HTTP (or undecided yet)
-            # mitmproxy would carry these bytes raw (rawtcp, tcp_hosts, a DNS
-            # port, ...): inside an intercepted tunnel only HTTP may pass, so
-            # the HTTP parser judges them and refuses what is not HTTP.
-            del stack[cut:]
-            nextlayer.layer = layers.HttpLayer(context, HTTPMode.transparent)
-            return
-        if isinstance(nextlayer.layer, layers.TCPLayer) and nextlayer.layer.flow is None:
-            return  # already our raw, unhooked tunnel
-        del stack[cut:]
-        # No TCP flow and no per-chunk hooks (mitmproxy's tunnel speed); the
-        # dialer's meters count the bytes at the server socket instead. A
-        # tunnel the gate decided is spliced socket to socket once connected
-        # (sluice/splice.py), below mitmproxy's per-chunk event machinery.
-        nextlayer.layer = SplicedTunnel(context) if tunnel is not None else layers.TCPLayer(context, ignore=True)
-
     def _tunnel_meter(self, client: connection.Client, server: connection.Server):
         """The dialer's meter for a passed-through tunnel's server socket: its caps."""
         tunnel = tunnel_of(client, server)
@@ -483,15 +429,6 @@ def open_tunnel(tunnel: Outcome) -> OpenTunnel:
     """An open tunnel's facts, as a reload re-decides them."""
     identity = tunnel.identity if isinstance(tunnel.identity, ClientIdentity) else None
     return OpenTunnel(tunnel.host, tunnel.port, tunnel.method, addresses_of(tunnel.decision), tunnel.profile, identity)
-
-
-class _RefuseClient(layer.Layer):
-    """Closes the client connection at once: the front door refused what the
-    client speaks (there is no HTTP to answer in)."""
-
-    def _handle_event(self, event: events.Event) -> layer.CommandGenerator[None]:
-        if isinstance(event, events.Start):
-            yield commands.CloseConnection(self.context.client)
 
 
 def _forward_path(request: http.Request, decision: Decision) -> None:

@@ -418,6 +418,25 @@ RELIED_ON["mitmproxy_messages"] = (
     "mitmproxy.addons.proxyserver:Proxyserver.server_connect",
 )
 
+# addons/layer_choice.py: LayerChoice is mitmproxy's NextLayer addon,
+# subclassed. It relies on next_layer keeping another addon's choice and
+# catching NeedsMoreData around _next_layer; on _next_layer's choices where
+# it defers (a front door's, and for bytes not ignored that start like TLS,
+# the TLS layers); on _ignore_connection asking first; on the NextLayer layer
+# taking itself off the stack (so context.layers is what lies below); on the
+# proxyserver looking the addon up as "nextlayer". TakeOverNextLayer (the
+# `mitmdump -s` path) relies on a script's addons being registered after
+# mitmdump's own, with names unique, and removed before a reload.
+RELIED_ON["layer_choice"] = (
+    "mitmproxy.addons.next_layer:NextLayer.next_layer",
+    "mitmproxy.addons.next_layer:NextLayer._next_layer",
+    "mitmproxy.addons.next_layer:NextLayer._ignore_connection",
+    "mitmproxy.proxy.layer:NextLayer.__init__",
+    "mitmproxy.addons.proxyserver:Proxyserver.configure",
+    "mitmproxy.addonmanager:AddonManager.register",
+    "mitmproxy.addons.script:Script.loadscript",
+)
+
 _installed: set[str] = set()
 
 

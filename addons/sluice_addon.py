@@ -1,6 +1,7 @@
 """Entry point for `mitmdump -s addons/sluice_addon.py --set sluice_policy=FILE`.
 
-`sluice proxy` loads the same list in-process. mitmproxy calls each hook on
+`sluice proxy` loads the same list in-process (the script's copy differs
+in one entry: `script_addons`). mitmproxy calls each hook on
 the addons in list order, so order matters: each entry of `make_addons`'s
 list says why it sits where it does.
 """
@@ -15,6 +16,7 @@ from sluice.addons.credentials import CredentialInjector
 from sluice.addons.gate import EgressGate
 from sluice.addons.guardrails import Guardrails
 from sluice.addons.head_limits import HeadLimits
+from sluice.addons.layer_choice import LayerChoice, TakeOverNextLayer
 from sluice.addons import mitm_patches
 from sluice.addons.origin_headers import OriginHeaders
 from sluice.addons.otlp import OtlpExport
@@ -65,6 +67,8 @@ def make_addons(*, lifecycle: bool = False, metrics: bool = False) -> list:
         approvals,
         # Decides (identity, host, pin, intercept): everything after it acts on its decision.
         gate,
+        # mitmproxy's NextLayer, subclassed: picks each tunnel's layers from the gate's decision (only next_layer).
+        LayerChoice(audit),
         # Counts what the gate allowed, against the client it identified.
         Quotas(source, audit, caps, gate),
         # The per-connection upstream limit, asked at the dial; its hooks only keep the use order.
@@ -86,4 +90,11 @@ def make_addons(*, lifecycle: bool = False, metrics: bool = False) -> list:
     ]
 
 
-addons = make_addons()
+def script_addons() -> list:
+    """make_addons' list for `mitmdump -s`: mitmdump's master already holds
+    mitmproxy's NextLayer under the name LayerChoice takes, so LayerChoice
+    goes in through TakeOverNextLayer, which swaps it in at load."""
+    return [TakeOverNextLayer(a) if isinstance(a, LayerChoice) else a for a in make_addons()]
+
+
+addons = script_addons()

@@ -10,7 +10,7 @@ import sqlite3
 import sys
 
 from mitmproxy import ctx, exceptions, options
-from mitmproxy.addons import block, core, disable_h2c, errorcheck, next_layer, proxyserver, tlsconfig
+from mitmproxy.addons import block, core, disable_h2c, errorcheck, proxyserver, tlsconfig
 from mitmproxy.addons.termlog import TermLog
 from mitmproxy.master import Master
 from mitmproxy.utils import human
@@ -49,7 +49,8 @@ def mitmproxy_addons() -> list:
         block.Block(),  # block_global: refuse clients from public addresses
         disable_h2c.DisableH2C(),
         proxyserver.Proxyserver(),
-        next_layer.NextLayer(),
+        # No next_layer.NextLayer(): Sluice's subclass of it, LayerChoice, is
+        # in make_addons' list (addons/layer_choice.py).
         tlsconfig.TlsConfig(),
         StartupErrors(),
     ]

@@ -47,6 +47,7 @@ from sluice.addons.connection_audit import ConnectionAudit
 from sluice.addons.drain import Drain
 from sluice.addons.gate import EgressGate
 from sluice.addons.head_limits import HeadLimits
+from sluice.addons.layer_choice import LayerChoice
 from sluice.addons.quotas import Quotas
 from sluice.addons.upgrades import UpgradeGuard
 from sluice.addons.upstreams import Upstreams
@@ -331,6 +332,7 @@ class InProcess:
         self.release = ConnRelease(self.audit)
         self.caps = Caps(self.source, self.audit)
         self.gate = EgressGate(self.source, self.audit, self.caps)
+        self.layer_choice = LayerChoice(self.audit)
         self.quotas = Quotas(self.source, self.audit, self.caps, self.gate, self.counters, clock=self.clock)
         self.upstreams = Upstreams(self.gate, self.audit)
         self.upgrades = UpgradeGuard(self.caps, self.source)
@@ -340,8 +342,8 @@ class InProcess:
 
     def addons(self) -> list[Any]:
         """make_addons' order (addons/sluice_addon.py), for the addons these tests drive."""
-        return [self.proxyserver, self.connection_audit, self.release, self.gate, self.quotas, self.upstreams,
-                self.upgrades, self.caps, self.head_limits, self.audit, self.drain]
+        return [self.proxyserver, self.connection_audit, self.release, self.gate, self.layer_choice, self.quotas,
+                self.upstreams, self.upgrades, self.caps, self.head_limits, self.audit, self.drain]
 
     async def __aenter__(self) -> InProcess:
         self._saved = {name: getattr(mitm_patches.hooks, name) for name in mitm_patches.Hooks.__slots__}

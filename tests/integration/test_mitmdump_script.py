@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 import time
@@ -11,6 +12,7 @@ import httpx
 import pytest
 
 from harness import free_port
+from harness.wait import wait_until
 
 pytestmark = pytest.mark.netns
 ROOT = Path(__file__).resolve().parents[2]
@@ -42,6 +44,12 @@ def test_mitmdump_with_the_addon_script(tmp_path, net, fake_dns, sluice_home):
             refused = c.get("http://169.254.169.254/")
             assert refused.status_code == 403 and refused.headers["sluice-reason"] == "address_not_public"
         assert '"reason":"address_not_public"' in audit.read_text()
+        # Sluice's layer choice, swapped in for mitmdump's own NextLayer: TLS to the proxy itself is closed unanswered.
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as tls_to_proxy:
+            tls_to_proxy.sendall(b"\x16\x03\x01\x00\xa5\x01\x00\x00\xa1\x03\x03" + b"\x00" * 40)
+            assert tls_to_proxy.recv(1024) == b""
+        wait_until(lambda: '"reason":"client_protocol_refused"' in audit.read_text(),
+                   what="the client_protocol_refused audit line")
     finally:
         proc.terminate()
         proc.wait(10)

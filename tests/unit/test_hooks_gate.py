@@ -8,15 +8,15 @@ from __future__ import annotations
 
 import time
 
-from mitmproxy import connection, options
+from mitmproxy import connection, http, options
 from mitmproxy.addons.proxyserver import Proxyserver
 from mitmproxy.connection import ConnectionState
-from mitmproxy.proxy import commands, events, layer
+from mitmproxy.proxy import commands, events, layer, layers
 from mitmproxy.proxy.context import Context
 from mitmproxy.proxy.layers import modes
-from mitmproxy.proxy.layers.http import HttpConnectHook, HttpRequestHeadersHook, HttpResponseHook
+from mitmproxy.proxy.layers.http import HttpConnectHook, HTTPMode, HttpRequestHeadersHook, HttpResponseHook
 from mitmproxy.proxy.server_hooks import ServerConnectHook, ServerConnectionHookData
-from mitmproxy.test import tflow, tutils
+from mitmproxy.test import taddons, tflow, tutils
 
 from harness.inprocess import InProcess, connect_flow, in_process, lines_of, policy, request_flow
 from harness.playbook import Placeholder, Playbook, reply
@@ -152,7 +152,7 @@ def test_tls_spoken_to_the_proxy_itself_is_refused_at_the_front_door():
     hello = b"\x16\x03\x01\x00\xa5\x01\x00\x00\xa1\x03\x03" + b"\x00" * 40
 
     def choose(nl: layer.NextLayer) -> None:
-        p.gate.next_layer(nl)
+        p.layer_choice.next_layer(nl)
         assert type(nl.layer).__name__ == "_RefuseClient"
 
     assert (Playbook(modes.HttpProxy(context))
@@ -173,11 +173,15 @@ def test_plain_http_at_the_front_door_is_left_to_mitmproxys_http_layer():
     chosen = []
 
     def choose(nl: layer.NextLayer) -> None:
-        p.gate.next_layer(nl)
+        p.layer_choice.next_layer(nl)
         chosen.append(nl.layer)
 
-    assert (Playbook(modes.HttpProxy(Context(client, opts)))
-            >> events.DataReceived(client, b"GET http://public.example/ HTTP/1.1\r\n\r\n")
-            << layer.NextLayerHook(Placeholder(layer.NextLayer))
-            >> reply(side_effect=choose))
-    assert chosen == [None] and p.lines == []  # mitmproxy's own NextLayer addon picks its HTTP layer
+    with taddons.context():  # mitmproxy's choice reads its options (ignore_hosts, ...) from ctx
+        assert (Playbook(modes.HttpProxy(Context(client, opts)))
+                >> events.DataReceived(client, b"GET http://public.example/ HTTP/1.1\r\n\r\n")
+                << layer.NextLayerHook(Placeholder(layer.NextLayer))
+                >> reply(side_effect=choose)
+                << HttpRequestHeadersHook(Placeholder(http.HTTPFlow)))
+    # mitmproxy's own choice for its HTTP proxy mode: its HTTP layer, regular mode
+    [http_layer] = chosen
+    assert isinstance(http_layer, layers.HttpLayer) and http_layer.mode is HTTPMode.regular and p.lines == []

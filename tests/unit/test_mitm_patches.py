@@ -89,6 +89,13 @@ RECORDED = {
     "mitmproxy.proxy.layers.tcp:TCPLayer.start": "b1418418362ceaa7",
     "mitmproxy.proxy.layers.tcp:TCPLayer.relay_messages": "3b3d49a9f63b7d40",
     "mitmproxy.proxy.server:TimeoutWatchdog.register_activity": "41e033f7debf79d3",
+    "mitmproxy.addons.next_layer:NextLayer.next_layer": "d277fef31bbe9519",
+    "mitmproxy.addons.next_layer:NextLayer._next_layer": "ed22cb84e2f72df2",
+    "mitmproxy.addons.next_layer:NextLayer._ignore_connection": "3deb115e04c33c51",
+    "mitmproxy.proxy.layer:NextLayer.__init__": "b270467e818faea9",
+    "mitmproxy.addons.proxyserver:Proxyserver.configure": "03e1da6deac19a25",
+    "mitmproxy.addonmanager:AddonManager.register": "01ddcca314eebbd3",
+    "mitmproxy.addons.script:Script.loadscript": "f2972abb206ff2fe",
 }
 
 
