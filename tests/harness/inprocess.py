@@ -453,11 +453,14 @@ def in_process(policy_text: str, dns: dict[str, list[str]] | None = None, *, cli
 def request_flow(client: connection.Client, host: str = "public.example", port: int = 80, method: bytes = b"GET",
                  path: bytes = b"/", content: bytes = b"", **headers: str) -> http.HTTPFlow:
     """An absolute-form request from `client` whose head has arrived: Host is
-    `host`, then `headers` (underscores for dashes), and nothing else."""
+    `host`, then (with a `content`) its Content-Length, then `headers`
+    (underscores for dashes), and nothing else."""
     req = tutils.treq(method=method, host=host, port=port, scheme=b"http", authority=f"{host}:{port}".encode(),
                       path=path, content=content)
     req.headers.clear()
     req.headers["Host"] = host
+    if content:
+        req.headers["Content-Length"] = str(len(content))
     for name, value in headers.items():
         req.headers[name.replace("_", "-")] = value
     return tflow.tflow(client_conn=client, req=req)
