@@ -17,7 +17,7 @@ from mitmproxy import connection
 from mitmproxy.proxy.layers.http import HttpConnectHook, HttpRequestHook
 from mitmproxy.proxy.server_hooks import ServerConnectHook, ServerConnectionHookData
 
-from harness.inprocess import InProcess, lines_of
+from harness.inprocess import InProcess, connect_flow, lines_of, request_flow
 from sluice.addons.gate import SOCKS5_NOT_ALLOWED
 from sluice.policy import quotas
 from sluice.policy.loader import PolicyInvalid, load_policy_text
@@ -27,7 +27,7 @@ from sluice.policy.reasons import Reason
 from sluice.policy.state import StateSettings
 from sluice import state_store
 from sluice.state_store import StoreCounters
-from test_hooks_quotas import ask, get, tunnel
+from test_hooks_quotas import ask
 
 ALICE = quotas.client_key("agents", "alice", "10.0.0.5")
 LIMITED, FREE = "192.0.2.10", "192.0.2.20"  # a profile with limits, and the top level (none)
@@ -169,17 +169,17 @@ def test_closed_refuses_a_limited_clients_request_and_connect_and_passes_an_unli
     async def run():
         async with _closed_proxy() as p:
             limited = await p.connect(source=LIMITED)
-            flow = get(limited)
+            flow = request_flow(limited)
             assert await ask(p, flow) == (503, "state_store_unavailable", "5")
             assert "shared limit store is unreachable" in flow.response.get_text()
-            connect = tunnel(await p.connect(source=LIMITED, port=40001))
+            connect = connect_flow(await p.connect(source=LIMITED, port=40001))
             await p.hook(HttpConnectHook(connect))
             assert connect.response.status_code == 503
             assert connect.response.reason == "Sluice state_store_unavailable"  # the phrase a CONNECT client sees
             assert connect.response.headers["Retry-After"] == "5"
             free = await p.connect(source=FREE)
-            assert await ask(p, get(free)) == (None, None, None)
-            open_tunnel = tunnel(free)
+            assert await ask(p, request_flow(free)) == (None, None, None)
+            open_tunnel = connect_flow(free)
             await p.hook(HttpConnectHook(open_tunnel))
             assert open_tunnel.response is None  # no max_tunnels for it: the tunnel opens
     asyncio.run(run())
@@ -203,7 +203,7 @@ def test_closed_refuses_a_buffered_upload_when_the_store_went_down_after_its_hea
         async with InProcess(POLICY, {"public.example": ["8.8.8.8"]}) as p:
             store = p.quotas.counters = _store("closed", client=_Flaky())
             client = await p.connect(source=LIMITED)
-            upload = get(client, method=b"POST", content=b"u" * 100)
+            upload = request_flow(client, method=b"POST", content=b"u" * 100)
             assert (await ask(p, upload))[0] is None  # admitted while the store answered
             store._client.down = True
             await p.hook(HttpRequestHook(upload))
@@ -218,9 +218,9 @@ def test_local_passes_through_the_hooks_what_closed_refuses():
         for on_error in ("closed", "local"):
             async with _closed_proxy(on_error) as p:
                 limited = await p.connect(source=LIMITED)
-                connect = tunnel(limited)
+                connect = connect_flow(limited)
                 await p.hook(HttpConnectHook(connect))
-                answers[on_error] = ((await ask(p, get(limited)))[:2],
+                answers[on_error] = ((await ask(p, request_flow(limited)))[:2],
                                      connect.response.status_code if connect.response else None)
         assert answers == {"closed": ((503, "state_store_unavailable"), 503), "local": ((None, None), None)}
     asyncio.run(run())
