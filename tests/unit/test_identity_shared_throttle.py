@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import shutil
 import time
+from collections.abc import AsyncIterator
 from types import SimpleNamespace
 
 import pytest
@@ -49,6 +51,19 @@ def _store(url: str, process: str, on_error: str = "local", client=None, timeout
     return StoreCounters(StateSettings(url, timeout=timeout, on_error=on_error), client=client, process=process)
 
 
+@contextlib.asynccontextmanager
+async def _two_processes(url: str) -> AsyncIterator[tuple[tuple[StoreCounters, StoreCounters],
+                                                          tuple[ClientIdentifier, ClientIdentifier]]]:
+    """Two processes on the one store: their StoreCounters (processes "a" and
+    "b") and a ClientIdentifier on each; both stores closed at the end."""
+    a, b = _store(url, "a"), _store(url, "b")
+    try:
+        yield (a, b), (_identifier(a), _identifier(b))
+    finally:
+        await a.close()
+        await b.close()
+
+
 async def _login(ident: ClientIdentifier, user: str, password: str, source: str = "192.0.2.1"):
     header = "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()
     match = await ident.match(POLICY, SimpleNamespace(peername=(source, 40000)), header)
@@ -57,46 +72,41 @@ async def _login(ident: ClientIdentifier, user: str, password: str, source: str 
 
 def test_wrong_passwords_on_one_process_throttle_the_address_on_the_other(redis):
     async def run():
-        a, b = _store(redis.url, "a"), _store(redis.url, "b")
-        one, other = _identifier(a), _identifier(b)
-        # The address's burst, spread over both processes (and over two users, so only the address's bucket fills).
-        results = [await _login(one if i % 2 else other, "alice" if i % 2 else "bob", f"guess-{i}")
-                   for i in range(ADDRESS_BURST)]
-        assert results == [Reason.CLIENT_UNKNOWN] * ADDRESS_BURST
-        assert await _login(one, "alice", "guess-x") is Reason.AUTH_THROTTLED
-        assert await _login(other, "bob", "guess-y") is Reason.AUTH_THROTTLED
-        assert await _login(other, "alice", "guess-z", source="192.0.2.2") is Reason.CLIENT_UNKNOWN  # another address
-        assert len(one._by_address) == len(other._by_address) == 0  # nothing counted in process
-        await a.close(), await b.close()
+        async with _two_processes(redis.url) as (_, (one, other)):
+            # The address's burst, spread over both processes (and over two users, so only the address's bucket fills).
+            results = [await _login(one if i % 2 else other, "alice" if i % 2 else "bob", f"guess-{i}")
+                       for i in range(ADDRESS_BURST)]
+            assert results == [Reason.CLIENT_UNKNOWN] * ADDRESS_BURST
+            assert await _login(one, "alice", "guess-x") is Reason.AUTH_THROTTLED
+            assert await _login(other, "bob", "guess-y") is Reason.AUTH_THROTTLED
+            assert await _login(other, "alice", "guess-z",
+                                source="192.0.2.2") is Reason.CLIENT_UNKNOWN  # another address
+            assert len(one._by_address) == len(other._by_address) == 0  # nothing counted in process
 
     asyncio.run(run())
 
 
 def test_wrong_passwords_for_one_username_are_throttled_across_processes_and_addresses(redis):
     async def run():
-        a, b = _store(redis.url, "a"), _store(redis.url, "b")
-        one, other = _identifier(a), _identifier(b)
-        results = [await _login(one if i % 2 else other, "alice", f"guess-{i}", source=f"198.51.100.{i}")
-                   for i in range(USERNAME_BURST)]
-        assert results == [Reason.CLIENT_UNKNOWN] * USERNAME_BURST
-        assert await _login(one, "alice", "guess-x", source="198.51.100.200") is Reason.AUTH_THROTTLED
-        assert await _login(other, "bob", "guess-y", source="198.51.100.201") is Reason.CLIENT_UNKNOWN
-        await a.close(), await b.close()
+        async with _two_processes(redis.url) as (_, (one, other)):
+            results = [await _login(one if i % 2 else other, "alice", f"guess-{i}", source=f"198.51.100.{i}")
+                       for i in range(USERNAME_BURST)]
+            assert results == [Reason.CLIENT_UNKNOWN] * USERNAME_BURST
+            assert await _login(one, "alice", "guess-x", source="198.51.100.200") is Reason.AUTH_THROTTLED
+            assert await _login(other, "bob", "guess-y", source="198.51.100.201") is Reason.CLIENT_UNKNOWN
 
     asyncio.run(run())
 
 
 def test_a_right_password_takes_back_its_charge_in_the_store(redis):
     async def run():
-        a, b = _store(redis.url, "a"), _store(redis.url, "b")
-        one, other = _identifier(a), _identifier(b)
-        for i in range(ADDRESS_BURST - 1):
-            assert await _login(one, "bob", f"guess-{i}") is Reason.CLIENT_UNKNOWN
-        assert await _login(one, "alice", "alice-pw") is None  # right: its charge goes back
-        await asyncio.gather(*a._tasks)  # the refund is sent in the background
-        assert await _login(other, "bob", "guess-last") is Reason.CLIENT_UNKNOWN  # the burst's last, not throttled
-        assert await _login(other, "bob", "guess-over") is Reason.AUTH_THROTTLED
-        await a.close(), await b.close()
+        async with _two_processes(redis.url) as ((a, _), (one, other)):
+            for i in range(ADDRESS_BURST - 1):
+                assert await _login(one, "bob", f"guess-{i}") is Reason.CLIENT_UNKNOWN
+            assert await _login(one, "alice", "alice-pw") is None  # right: its charge goes back
+            await asyncio.gather(*a._tasks)  # the refund is sent in the background
+            assert await _login(other, "bob", "guess-last") is Reason.CLIENT_UNKNOWN  # the burst's last, not throttled
+            assert await _login(other, "bob", "guess-over") is Reason.AUTH_THROTTLED
 
     asyncio.run(run())
 
