@@ -805,7 +805,9 @@ PATCHES["http1_framing_caps"] = (_patch_http1_framing_caps, (
 # `trigger_event` that calls the same hooks in the same order with the same
 # error handling (errors logged as "Addon error", AddonHalt stops the event,
 # OptionsError propagates), from a list rebuilt whenever an addon is added or
-# removed. Not used under `mitmdump -s`, whose scripts change their child
+# removed; and a `handle_lifecycle` that sends the `update` event mitmproxy
+# follows every flow hook with only when some addon has an `update` hook
+# (otherwise it calls nothing: 4 dispatches of nothing per request). Not used under `mitmdump -s`, whose scripts change their child
 # addons on reload without telling the manager.
 
 def fast_dispatch(manager) -> None:
@@ -814,6 +816,8 @@ def fast_dispatch(manager) -> None:
     import types as _types
 
     from mitmproxy import addonmanager, exceptions
+    from mitmproxy import flow as _flow
+    from mitmproxy import hooks as _hooks
 
     hooks_by_event: dict[str, list] = {}
 
@@ -856,9 +860,116 @@ def fast_dispatch(manager) -> None:
                 hooks_by_event.clear()
         return wrapper
 
+    async def handle_lifecycle(event) -> None:
+        # mitmproxy follows every flow hook with an `update` event for the
+        # flow; with no addon that has an `update` hook that is a no-op.
+        message = event.args()[0]
+        await trigger_event(event)
+        if hooks_for("update") and isinstance(message, _flow.Flow):
+            await trigger_event(_hooks.UpdateHook([message]))
+
     manager.trigger_event = trigger_event
+    manager.handle_lifecycle = handle_lifecycle
     for name in ("add", "remove", "clear", "register"):
         setattr(manager, name, invalidating(getattr(manager, name)))
+
+
+# ---- lean_hot_path: the same checks, done once ----------------------------------
+#
+# Two mitmproxy helpers that every request pays for redo work whose result
+# cannot change (bench/results/profile-http.md: ~9% of a keep-alive
+# request's CPU):
+# - `Hook.args()` calls `dataclasses.fields()` on every hook of every event
+#   (8 per plain-HTTP request): a hook class's fields are fixed when the class
+#   is made, so their names are read once per class.
+# - `MessageData.__post_init__` (every Request and Response made, twice per
+#   request) type-checks each field with `check_option_type`, which inspects
+#   each annotation with `typing` on every call. Each field's annotation is
+#   read once per class into the classes it admits (a plain class, or a union
+#   of plain classes; `float` also admits int, as check_option_type does);
+#   a value that is an instance of one passes, anything else, and any field
+#   whose annotation is not that simple, goes to check_option_type itself, so
+#   what passes and what raises (and its message) are exactly as shipped.
+
+def _patch_hook_args() -> None:
+    import dataclasses
+
+    from mitmproxy import hooks as mitm_hooks
+
+    names_by_class: dict[type, tuple[str, ...]] = {}
+
+    def args(self) -> list:
+        names = names_by_class.get(type(self))
+        if names is None:
+            names = names_by_class[type(self)] = tuple(f.name for f in dataclasses.fields(self))
+        return [getattr(self, name) for name in names]
+
+    if getattr(mitm_hooks.Hook.args, "__sluice_lean__", False):
+        return
+    args.__sluice_lean__ = True  # type: ignore[attr-defined]
+    args.__wrapped__ = mitm_hooks.Hook.args  # type: ignore[attr-defined]  # what it replaces (the source-hash test reads it)
+    mitm_hooks.Hook.args = args  # type: ignore[method-assign]
+
+
+def _admitted_classes(annotation) -> tuple[type, ...] | None:
+    """The classes check_option_type admits for `annotation` by isinstance
+    alone, or None if it does more than that for it."""
+    import types as _types
+    import typing
+
+    if isinstance(annotation, type) and typing.get_origin(annotation) is None:
+        members: tuple = (annotation,)
+    elif typing.get_origin(annotation) in (typing.Union, _types.UnionType):
+        members = typing.get_args(annotation)
+        if not all(isinstance(m, type) and typing.get_origin(m) is None for m in members):
+            return None
+    else:
+        return None
+    admitted: list[type] = []
+    for member in members:
+        admitted.append(member)
+        if member is float:
+            admitted.append(int)
+    return tuple(admitted)
+
+
+def _patch_message_checks() -> None:
+    import dataclasses
+
+    from mitmproxy import http as mitm_http
+    from mitmproxy.utils import typecheck
+
+    checks_by_class: dict[type, tuple[tuple[str, object, tuple[type, ...] | None], ...]] = {}
+
+    def checks_for(cls: type) -> tuple:
+        checks = checks_by_class.get(cls)
+        if checks is None:
+            checks = checks_by_class[cls] = tuple(
+                (f.name, f.type, _admitted_classes(f.type)) for f in dataclasses.fields(cls))
+        return checks
+
+    original = mitm_http.MessageData.__dict__.get("__post_init__")
+    if original is None or getattr(original, "__sluice_lean__", False):
+        return  # not defined (python -O) or already replaced
+
+    def __post_init__(self) -> None:
+        for name, annotation, admitted in checks_for(type(self)):
+            value = getattr(self, name)
+            if admitted is None or not isinstance(value, admitted):
+                typecheck.check_option_type(name, value, annotation)
+
+    __post_init__.__sluice_lean__ = True  # type: ignore[attr-defined]
+    __post_init__.__wrapped__ = original  # type: ignore[attr-defined]
+    mitm_http.MessageData.__post_init__ = __post_init__  # type: ignore[method-assign]
+    # The dataclasses' generated __init__ calls self.__post_init__, found on
+    # the class at call time: RequestData and ResponseData inherit this one.
+
+
+PATCHES["lean_hot_path"] = (lambda: (_patch_hook_args(), _patch_message_checks()), (
+    "mitmproxy.hooks:Hook.args",
+    "mitmproxy.http:MessageData.__post_init__",
+    "mitmproxy.utils.typecheck:check_option_type",
+))
 
 
 # sluice/splice.py moves a passed-through tunnel's bytes below mitmproxy: it
@@ -880,6 +991,7 @@ RELIED_ON["tunnel_splice"] = (
 
 RELIED_ON["fast_dispatch"] = (
     "mitmproxy.addonmanager:AddonManager.trigger_event",
+    "mitmproxy.addonmanager:AddonManager.handle_lifecycle",
     "mitmproxy.addonmanager:AddonManager.invoke_addon",
     "mitmproxy.addonmanager:AddonManager._iter_hooks",
     "mitmproxy.addonmanager:safecall",

@@ -27,6 +27,10 @@ from sluice.policy.model import Limits
 # sha256 (first 16 hex digits) of inspect.getsource() of every mitmproxy
 # function a patch wraps or relies on, as shipped in MITMPROXY_VERSION.
 RECORDED = {
+    "mitmproxy.hooks:Hook.args": "5bab95f7aa358e18",
+    "mitmproxy.http:MessageData.__post_init__": "f65088e210cd9cc1",
+    "mitmproxy.utils.typecheck:check_option_type": "b60e47c7091fa795",
+    "mitmproxy.addonmanager:AddonManager.handle_lifecycle": "38c97e792d1db5b7",
     "mitmproxy.proxy.layers.http:HttpLayer._handle_event": "6ba31883cc7a06b3",
     "mitmproxy.proxy.layers.http._http1:Http1Server.__init__": "508efbb58d5dead1",
     "mitmproxy.proxy.layers.http._http1:Http1Server.read_headers": "3fe0945216bcf7bc",
@@ -485,6 +489,120 @@ def test_fast_dispatch_sees_addons_added_later():
 
     asyncio.run(scenario())
     assert seen == ["late"]
+
+
+def test_fast_dispatch_sends_update_only_to_an_addon_that_has_it():
+    from mitmproxy.proxy.layers.http import HttpRequestHook
+    from mitmproxy.test import tflow
+
+    seen = []
+
+    class Request:
+        def request(self, flow):
+            seen.append(("request", flow.id))
+
+    class Update:
+        def update(self, flows):
+            seen.append(("update", [f.id for f in flows]))
+
+    async def scenario():
+        manager = _manager()
+        mitm_patches.fast_dispatch(manager)
+        manager.add(Request())
+        flow = tflow.tflow()
+        await manager.handle_lifecycle(HttpRequestHook(flow))
+        alone = list(seen)
+        seen.clear()
+        manager.add(Update())
+        await manager.handle_lifecycle(HttpRequestHook(flow))
+        return flow.id, alone, list(seen)
+
+    flow_id, alone, with_update = asyncio.run(scenario())
+    assert alone == [("request", flow_id)]
+    assert with_update == [("request", flow_id), ("update", [flow_id])]
+
+
+# ---- lean_hot_path: the same answers as mitmproxy's own checks ---------------------
+
+
+def test_hook_args_are_the_dataclass_fields_in_order():
+    import dataclasses
+
+    from mitmproxy import hooks
+    from mitmproxy.proxy.layers.http import HttpRequestHook, HttpResponseHook
+    from mitmproxy.proxy.server_hooks import ServerConnectHook, ServerConnectionHookData
+    from mitmproxy.test import tflow
+
+    @dataclasses.dataclass
+    class LeanArgsPairHook(hooks.Hook):
+        first: int
+        second: str
+        name = "sluice_test_lean_args_pair"
+
+    mitm_patches.install()
+    assert getattr(hooks.Hook.args, "__sluice_lean__", False)
+    assert LeanArgsPairHook(1, "two").args() == [1, "two"]
+    flow = tflow.tflow()
+    data = ServerConnectionHookData(flow.server_conn, flow.client_conn)
+    for hook in (HttpRequestHook(flow), HttpResponseHook(flow), ServerConnectHook(data), hooks.RunningHook(),
+                 hooks.UpdateHook([flow])):
+        assert hook.args() == [getattr(hook, f.name) for f in dataclasses.fields(hook)]
+        assert hook.args() == inspect.unwrap(hooks.Hook.args)(hook)
+
+
+@pytest.mark.parametrize("field, value", [
+    ("host", b"example.com"), ("port", "80"), ("port", 80.0), ("method", "GET"), ("headers", {}),
+    ("content", "text"), ("trailers", []), ("timestamp_start", "now"), ("timestamp_start", None),
+    ("timestamp_end", "later"), ("http_version", None),
+])
+def test_a_request_field_of_the_wrong_type_raises_as_mitmproxy_does(field, value):
+    from mitmproxy.test import tutils
+    from mitmproxy.utils import typecheck
+
+    mitm_patches.install()
+    fields = vars(tutils.treq().data).copy()
+    fields[field] = value
+    annotation = {f.name: f.type for f in __import__("dataclasses").fields(http.RequestData)}[field]
+    with pytest.raises(TypeError) as shipped:
+        typecheck.check_option_type(field, value, annotation)
+    with pytest.raises(TypeError) as patched:
+        http.RequestData(**fields)
+    assert str(patched.value) == str(shipped.value)
+
+
+@pytest.mark.parametrize("field, value", [
+    ("port", True), ("timestamp_start", 1), ("timestamp_end", None), ("timestamp_end", 2), ("content", None),
+    ("trailers", None), ("trailers", http.Headers(a="b")), ("host", "example.com"),
+])
+def test_a_request_field_mitmproxy_admits_is_admitted(field, value):
+    from mitmproxy.test import tutils
+
+    mitm_patches.install()
+    fields = vars(tutils.treq().data).copy()
+    fields[field] = value
+    assert getattr(http.RequestData(**fields), field) is value
+
+
+def test_a_response_of_the_wrong_type_still_raises():
+    from mitmproxy.test import tutils
+
+    mitm_patches.install()
+    fields = vars(tutils.tresp().data).copy()
+    fields["status_code"] = "200"
+    with pytest.raises(TypeError, match="status_code"):
+        http.ResponseData(**fields)
+    fields["status_code"] = 200
+    fields["reason"] = "OK"
+    with pytest.raises(TypeError, match="reason"):
+        http.ResponseData(**fields)
+
+
+@pytest.mark.parametrize("annotation, admitted", [
+    (int, (int,)), (float, (float, int)), (bytes | None, (bytes, type(None))), (float | None, (float, int, type(None))),
+    (tuple[int, int], None), (list[str] | None, None),
+])
+def test_admitted_classes_are_only_taken_for_plain_annotations(annotation, admitted):
+    assert mitm_patches._admitted_classes(annotation) == admitted
 
 
 # ---- h2_stream_buffer_cap's backstop, through a real Http2Server ------------------
