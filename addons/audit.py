@@ -47,10 +47,26 @@ CREDENTIAL_META = "sluice_credential"
 logger = logging.getLogger("sluice.audit")
 
 
+# The date and time of the last whole second formatted: lines come in bursts
+# within one second, and strftime is most of a line's formatting cost.
+# (One tuple, replaced whole: a reader in another thread sees a matching pair.)
+_last_second: tuple[int, str] = (-1, "")
+
+
 def rfc3339(when: float) -> str:
     """`when` (seconds since the epoch) as RFC 3339 UTC with milliseconds."""
+    global _last_second
     seconds, ms = divmod(round(when * 1000), 1000)
-    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(seconds)) + f".{ms:03d}Z"
+    last = _last_second
+    if seconds != last[0]:
+        last = _last_second = (seconds, time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(seconds)))
+    return f"{last[1]}.{ms:03d}Z"
+
+
+# One encoder for every line (json.dumps with options builds one per call).
+# ASCII JSON: hosts and details quoting client bytes (even lone surrogates)
+# are escaped, so a line can always be written.
+_encode_line = json.JSONEncoder(separators=(",", ":")).encode
 
 
 class AuditLog:
@@ -123,9 +139,7 @@ class AuditLog:
         if self._identity is not None and self._rotated():
             self.reopen()
         out = self._out or sys.stdout
-        # ASCII JSON: hosts and details quoting client bytes (even lone
-        # surrogates) are escaped, so a line can always be written.
-        out.write(json.dumps(line, separators=(",", ":")) + "\n")
+        out.write(_encode_line(line) + "\n")
         out.flush()
         for listener in self.listeners:
             try:

@@ -15,10 +15,10 @@
                                cProfile: 16-connection load, a tunnel download, CONNECT
                                setups; where the time goes (inside the namespace;
                                --only connect for that one)
-    python -m bench --only connect --baseline-tree DIR|COMMIT
+    python -m bench --only connect,http --baseline-tree DIR|COMMIT
                                also run another checkout's Sluice, or a commit's
                                (exported to the run's temp dir), in the same CONNECT
-                               rounds: a same-round A/B against older code
+                               and request-rate rounds: a same-round A/B against older code
 """
 
 from __future__ import annotations
@@ -58,7 +58,8 @@ def main(argv: list[str] | None = None) -> int:
                         "profile: only these scenarios (http, tunnel, connect)")
     p.add_argument("--baseline-tree", default=None, metavar="DIR|COMMIT",
                    help="run: also run the Sluice of this other checkout, or of this commit of this repository, "
-                        "in the CONNECT rounds, beside the current code (it prints which file each side imports)")
+                        "in the CONNECT and request-rate rounds, beside the current code (it prints which file each side "
+                        "imports)")
     args = p.parse_args(argv)
 
     if args.command == "deps":

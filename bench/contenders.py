@@ -93,12 +93,12 @@ def all_contenders() -> list[Contender]:
     ]
 
 
-def baseline_contender(baseline: Baseline) -> Contender:
+def baseline_contender(baseline: Baseline, phases: frozenset[str] = frozenset({"connect"})) -> Contender:
     """Sluice from another checkout or commit (bench/baseline.py), run with
-    this venv and its own import root, in the same CONNECT rounds as the
-    current code: a same-round A/B."""
+    this venv and its own import root, in the same CONNECT and request-rate
+    rounds as the current code (those of `phases` that run): a same-round A/B."""
     label = f"Sluice at {baseline.label} (baseline tree {baseline.tree}), default policy"
-    return Contender("sluice-baseline", label, 18087, frozenset({"connect"}), tree=baseline.tree,
+    return Contender("sluice-baseline", label, 18087, frozenset({"connect", "http"}) & phases, tree=baseline.tree,
                      import_root=baseline.import_root)
 
 

@@ -9,7 +9,7 @@ from bench import micro
 from bench import store as shared_store
 
 BASE = "mitmdump"
-ORDER = ["direct", "mitmdump", "sluice", "sluice-w2", "sluice-10k", "sluice-limits", "proxypy", "tinyproxy",
+ORDER = ["direct", "mitmdump", "sluice", "sluice-baseline", "sluice-w2", "sluice-10k", "sluice-limits", "proxypy", "tinyproxy",
          "mitmdump-tcp"]
 SCALE = "sluice-w2"  # Sluice --workers 2, not pinned
 
@@ -415,6 +415,12 @@ def markdown(results: dict) -> str:
             if ups and max(ups) > 2 * int(conns):
                 notes.append(f"{_label(results, key)} opened up to {max(ups)} connections to the origin in a "
                              f"{conns}-connection run: upstream keep-alive reuse is not working")
+        then = rows.get("sluice-baseline", {})
+        if then.get("rps_vs_default") is not None:
+            notes.append(f"{conns} connections, same rounds: {_label(results, 'sluice-baseline')} made "
+                         f"{_ratio(then['rps_vs_default'])} the current Sluice's req/s, with "
+                         f"{_ratio(then.get('cpu_vs_default'))} its CPU per request (above 1×: the current code "
+                         "costs less)")
         q = rows.get("_rounds")
         if q and q["all"] > 1:
             how = ("only those were used for the Sluice ratios" if q["ratios_from"] == "quiet"

@@ -219,11 +219,12 @@ def run(settings: Settings, log=print) -> dict:
             redis = _start_store(root, policy_files, results, log)
             if redis is None:
                 everyone = [c for c in everyone if c.key != STORE_KEY]
-        if settings.baseline_tree and "connect" in phases:
+        if settings.baseline_tree and {"connect", "http"} & set(phases):
             base = baseline.prepare(settings.baseline_tree, REPO, root)
             baseline.verify(base, log)  # says which file each side imports; refuses a mix of the two trees
             policy_files["baseline"] = policies.write_baseline(root, base.tree)
-            everyone.insert([c.key for c in everyone].index("sluice") + 1, C.baseline_contender(base))
+            everyone.insert([c.key for c in everyone].index("sluice") + 1,
+                            C.baseline_contender(base, frozenset(phases)))
         try:
             try:
                 dns.start()
@@ -422,7 +423,9 @@ KEY = ("mitmdump", "sluice", "sluice-10k", "sluice-limits", "proxypy")
 # Also measured every round, but left out of KEY's quiet-round test: its
 # workers share both CPUs with the load side, and its ratios get their own.
 SCALE = "sluice-w2"
-EVERY_ROUND = KEY + (SCALE,)
+# --baseline-tree: another tree's Sluice, every round too, for a same-round A/B.
+BASELINE_KEY = "sluice-baseline"
+EVERY_ROUND = KEY + (SCALE, BASELINE_KEY)
 
 
 QUIET = 0.25  # cores of other processes' load under which a run counts as quiet
@@ -542,7 +545,7 @@ def http_phase(everyone: list[C.Contender], s: Settings, root: Path, results: di
             if c.key.startswith("sluice") and c.key != SCALE:
                 row["rps_vs_proxypy"] = _paired(per, c.key, "proxypy", "rps", use)
                 row["cpu_vs_proxypy"] = _paired(per, c.key, "proxypy", "cpu_us_per_req", use)
-            if c.key == "sluice-10k":
+            if c.key in ("sluice-10k", BASELINE_KEY):
                 row["rps_vs_default"] = _paired(per, c.key, "sluice", "rps", use)
                 row["p50_vs_default"] = _paired(per, c.key, "sluice", "p50_us", use)
                 row["cpu_vs_default"] = _paired(per, c.key, "sluice", "cpu_us_per_req", use)
