@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import weakref
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -148,25 +148,51 @@ class ConnState:
 _states: weakref.WeakKeyDictionary[connection.Client, ConnState] = weakref.WeakKeyDictionary()
 
 
+def _dead() -> None:
+    return None
+
+
+# The last (client, state) looked up, the client held weakly: a request's
+# hooks ask for the same connection's state about ten times in a row, and a
+# WeakKeyDictionary lookup makes a weak reference and hashes the client's id
+# each time. Always an entry of _states (pop() forgets it too).
+_last: tuple[Callable[[], object], ConnState | None] = (_dead, None)
+
+
 def state_of(client: connection.Client) -> ConnState:
     """This client connection's state, made on first use."""
+    global _last
+    last_client, state = _last
+    if last_client() is client and state is not None:
+        return state
     state = _states.get(client)
     if state is None:
         state = _states[client] = ConnState()
+    _last = (weakref.ref(client), state)
     return state
 
 
 def peek(client: object) -> ConnState | None:
     """This client connection's state if it has one (never makes one: for
     readers, and for hooks that may run after the connection ended)."""
+    global _last
+    last_client, state = _last
+    if last_client() is client and state is not None:
+        return state
     try:
-        return _states.get(client)  # type: ignore[arg-type]
+        state = _states.get(client)  # type: ignore[arg-type]
     except TypeError:  # not a Client (a test's stand-in): it has no state
         return None
+    if state is not None:
+        _last = (weakref.ref(client), state)
+    return state
 
 
 def pop(client: connection.Client) -> ConnState | None:
     """Remove this client connection's state (the one release on disconnect)."""
+    global _last
+    if _last[0]() is client:
+        _last = (_dead, None)
     return _states.pop(client, None)
 
 

@@ -221,3 +221,22 @@ def test_a_connect_refusal_answers_the_next_failing_exchange_only():
             proxy.release.client_disconnected(client)
 
     asyncio.run(run())
+
+
+def test_the_last_lookup_shortcut_never_outlives_the_state():
+    a, b = tflow.tclient_conn(), tflow.tclient_conn()
+    first = connstate.state_of(a)
+    assert connstate.peek(a) is first and connstate.state_of(a) is first
+    other = connstate.state_of(b)
+    assert other is not first
+    assert connstate.peek(a) is first and connstate.peek(b) is other  # alternating lookups
+    assert connstate.pop(a) is first
+    assert connstate.peek(a) is None  # forgotten with the state, though it was the last looked up
+    assert connstate.peek(b) is other
+    assert connstate.pop(b) is other and connstate.peek(b) is None
+    again = connstate.state_of(a)
+    assert again is not first and connstate.peek(a) is again
+    connstate.pop(a)
+    del a, b, first, other, again
+    gc.collect()
+    assert connstate.peek(tflow.tclient_conn()) is None  # a new client never gets a dead one's state
