@@ -32,11 +32,17 @@ from sluice.outcome import outcome_of
 from sluice.policy.reasons import Reason, Refusal
 
 PROXY_HEADERS = (REASON_HEADER, "Proxy-Authenticate")
+# Their names as a field's raw name compares, lowercased (as mitmproxy's Headers compare names).
+_PROXY_FIELD_NAMES = frozenset(name.lower().encode() for name in (*PROXY_HEADERS, "Proxy-Status"))
 
 
 def strip_proxy_headers(headers: http.Headers) -> bool:
     """Remove the proxy's own header fields from an origin's headers (in
     place); True when there was one."""
+    # One pass over the raw fields first: almost no response has any of them,
+    # and each lookup by name below walks every field again.
+    if not any(name.lower() in _PROXY_FIELD_NAMES for name, _ in headers.fields):
+        return False
     found = False
     for name in PROXY_HEADERS:
         if name in headers:

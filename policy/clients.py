@@ -13,6 +13,7 @@ hash's answer. `match_client` does both in one call.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
 import os
@@ -74,6 +75,7 @@ def verify_password(verifier: str, password: str) -> bool:
     return hmac.compare_digest(derived.hex(), expected)
 
 
+@functools.lru_cache(maxsize=4096)  # a pure function of the text; every request of a connection asks it again
 def _source_address(source: str) -> netaddr.IPAddress:
     """The client's address as its profile CIDRs are written: a dual-stack
     listener reports IPv4 clients as ::ffff:a.b.c.d, and a link-local peer

@@ -223,6 +223,11 @@ def test_origin_headers_lose_the_proxys_fields_and_sluices_own_keep_them():
     assert "Sluice-Reason" not in headers and "Proxy-Authenticate" not in headers
     assert headers["content-type"] == "text/html"
     assert not strip_proxy_headers(mhttp.Headers([(b"Content-Type", b"text/html")]))
+    for name, value in ((b"SLUICE-REASON", b"x"), (b"proxy-authenticate", b"Basic"), (b"PROXY-status", b"sluice")):
+        alone = mhttp.Headers([(b"Content-Type", b"text/html"), (name, value)])
+        assert strip_proxy_headers(alone) and alone.fields == ((b"Content-Type", b"text/html"),)
+    theirs = mhttp.Headers([(b"Proxy-Status", b"cdn; error=x")])
+    assert not strip_proxy_headers(theirs) and theirs.get_all("Proxy-Status") == ["cdn; error=x"]
     own = refusal_response(Refusal(Reason.HOST_DENIED, "x is denied"))
     assert sluice_made(own) and not sluice_made(mhttp.Response.make(403, b"", own.headers.copy()))
 
