@@ -70,6 +70,9 @@ Patches:
   reset. The client is offered `limits.h2_max_concurrent_streams` (see its
   section).
 
+- `lean_hot_path`: hook arguments and message type checks worked out once
+  per class: per-request costs, same behaviour (see its section).
+
 These limits are global (the policy's top level): the client's identity is
 in the very head being read. The head patches act only once a guard is set
 (`set_head_guard`, by addons/head_limits.py); until then mitmproxy behaves as
