@@ -810,8 +810,9 @@ PATCHES["http1_framing_caps"] = (_patch_http1_framing_caps, (
 # OptionsError propagates), from a list rebuilt whenever an addon is added or
 # removed; and a `handle_lifecycle` that sends the `update` event mitmproxy
 # follows every flow hook with only when some addon has an `update` hook
-# (otherwise it calls nothing: 4 dispatches of nothing per request). Not used under `mitmdump -s`, whose scripts change their child
-# addons on reload without telling the manager.
+# (otherwise it calls nothing: 4 dispatches of nothing per request). Not used
+# under `mitmdump -s`, whose scripts change their child addons on reload
+# without telling the manager.
 
 def fast_dispatch(manager) -> None:
     import inspect as _inspect
@@ -894,6 +895,9 @@ def fast_dispatch(manager) -> None:
 #   whose annotation is not that simple, goes to check_option_type itself, so
 #   what passes and what raises (and its message) are exactly as shipped.
 
+# Both replace mitmproxy's function rather than call it; `_wrap_once` still
+# keeps it as `__wrapped__` (the source-hash test reads it there).
+
 def _patch_hook_args() -> None:
     import dataclasses
 
@@ -907,11 +911,7 @@ def _patch_hook_args() -> None:
             names = names_by_class[type(self)] = tuple(f.name for f in dataclasses.fields(self))
         return [getattr(self, name) for name in names]
 
-    if getattr(mitm_hooks.Hook.args, "__sluice_lean__", False):
-        return
-    args.__sluice_lean__ = True  # type: ignore[attr-defined]
-    args.__wrapped__ = mitm_hooks.Hook.args  # type: ignore[attr-defined]  # what it replaces (the source-hash test reads it)
-    mitm_hooks.Hook.args = args  # type: ignore[method-assign]
+    _wrap_once(mitm_hooks.Hook, "args", "__sluice_lean__", lambda shipped: args)
 
 
 def _admitted_classes(annotation) -> tuple[type, ...] | None:
@@ -951,9 +951,8 @@ def _patch_message_checks() -> None:
                 (f.name, f.type, _admitted_classes(f.type)) for f in dataclasses.fields(cls))
         return checks
 
-    original = mitm_http.MessageData.__dict__.get("__post_init__")
-    if original is None or getattr(original, "__sluice_lean__", False):
-        return  # not defined (python -O) or already replaced
+    if "__post_init__" not in mitm_http.MessageData.__dict__:
+        return  # not defined under python -O: nothing is checked
 
     def __post_init__(self) -> None:
         for name, annotation, admitted in checks_for(type(self)):
@@ -961,11 +960,9 @@ def _patch_message_checks() -> None:
             if admitted is None or not isinstance(value, admitted):
                 typecheck.check_option_type(name, value, annotation)
 
-    __post_init__.__sluice_lean__ = True  # type: ignore[attr-defined]
-    __post_init__.__wrapped__ = original  # type: ignore[attr-defined]
-    mitm_http.MessageData.__post_init__ = __post_init__  # type: ignore[method-assign]
     # The dataclasses' generated __init__ calls self.__post_init__, found on
     # the class at call time: RequestData and ResponseData inherit this one.
+    _wrap_once(mitm_http.MessageData, "__post_init__", "__sluice_lean__", lambda shipped: __post_init__)
 
 
 PATCHES["lean_hot_path"] = (lambda: (_patch_hook_args(), _patch_message_checks()), (

@@ -9,8 +9,8 @@ from bench import micro
 from bench import store as shared_store
 
 BASE = "mitmdump"
-ORDER = ["direct", "mitmdump", "sluice", "sluice-baseline", "sluice-w2", "sluice-10k", "sluice-limits", "proxypy", "tinyproxy",
-         "mitmdump-tcp"]
+ORDER = ["direct", "mitmdump", "sluice", "sluice-baseline", "sluice-w2", "sluice-10k", "sluice-limits", "proxypy",
+         "tinyproxy", "mitmdump-tcp"]
 SCALE = "sluice-w2"  # Sluice --workers 2, not pinned
 
 # Targets from the issue.

@@ -162,13 +162,10 @@ _last: tuple[Callable[[], object], ConnState | None] = (_dead, None)
 def state_of(client: connection.Client) -> ConnState:
     """This client connection's state, made on first use."""
     global _last
-    last_client, state = _last
-    if last_client() is client and state is not None:
-        return state
-    state = _states.get(client)
+    state = peek(client)
     if state is None:
         state = _states[client] = ConnState()
-    _last = (weakref.ref(client), state)
+        _last = (weakref.ref(client), state)
     return state
 
 
